@@ -1,0 +1,141 @@
+"""The one place that decides which implementation runs each op.
+
+Backends, fastest first:
+- ``cuda-ext`` / ``cpu-ext``: the ``fastbert._C`` extension (only the embedding op);
+- ``triton``: the kernels in ``fastbert.kernels`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
+- ``torch``: plain PyTorch (the reference ops, SDPA for attention). Always applies; it is also what runs when
+  autograd needs gradients, since the fused kernels are forward-only.
+
+``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice (read at every call, so tests can switch it).
+Each backend states why it does not apply; ``fastbert.info()`` reports those reasons, and the first time a faster
+backend is skipped for a reason other than the user's own choice, a warning says why.
+"""
+
+import functools
+import importlib.util
+import os
+import warnings
+
+import torch
+
+from . import _extension
+
+OPS = ("embedding", "attention", "layer_norm", "bias_act", "act_layer_norm")
+ENV_BACKEND = "FASTBERT_BACKEND"
+# Dtypes the C++ CPU embedding kernel was written for; fp16 on CPU has no fast path in torch either.
+_CPU_EXT_DTYPES = (torch.float32, torch.bfloat16)
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def requested_backend() -> str:
+    value = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
+    if value not in ("auto", "torch", "triton"):
+        raise ValueError(f"{ENV_BACKEND}={value!r}: expected one of auto, torch, triton")
+    return value
+
+
+def triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def triton_missing_reason() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+def _triton_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
+    reasons = []
+    missing = triton_missing_reason()
+    if missing:
+        reasons.append(missing)
+    if device.type == "cpu" and not triton_interpreter():
+        reasons.append("CPU tensors run Triton only under TRITON_INTERPRET=1")
+    elif device.type not in ("cpu", "cuda"):
+        reasons.append(f"device {device.type} is not supported by Triton here")
+    if dtype not in _CUDA_DTYPES:
+        reasons.append(f"dtype {dtype} not supported")
+    return reasons
+
+
+def _ext_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
+    if device.type == "cuda":
+        reasons = list(_extension.cuda_unavailable_reasons(device))
+        if dtype not in _CUDA_DTYPES:
+            reasons.append(f"dtype {dtype} not supported")
+        return reasons
+    if device.type == "cpu":
+        reasons = list(_extension.cpu_unavailable_reasons())
+        if dtype not in _CPU_EXT_DTYPES:
+            reasons.append(f"the C++ CPU kernel takes float32/bfloat16, not {dtype}")
+        return reasons
+    return [f"device {device.type} is not supported by the extension"]
+
+
+def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, list[str]]:
+    """backend -> reasons it does not apply (empty list: it applies), fastest first, ignoring overrides."""
+    ext = "cuda-ext" if device.type == "cuda" else "cpu-ext"
+    options: dict[str, list[str]] = {}
+    if op == "embedding":
+        options[ext] = _ext_reasons(device, dtype)
+    if device.type == "cpu" and op != "embedding" and not triton_interpreter():
+        # On CPU, torch's own ops (oneDNN GEMMs, SDPA, fused LayerNorm) are the fast path for everything but the
+        # embedding gather; Triton runs on CPU only through its interpreter, for testing.
+        options["triton"] = ["on CPU the torch ops are the fast path (Triton only under TRITON_INTERPRET=1)"]
+    else:
+        options["triton"] = _triton_reasons(device, dtype)
+    options["torch"] = []
+    return options
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def choose(op: str, tensor: torch.Tensor, needs_grad: bool = False) -> str:
+    """Backend for ``op`` on tensors like ``tensor``. Called once per op call; cheap (no device sync)."""
+    requested = requested_backend()
+    if requested == "torch":
+        return "torch"
+    options = candidates(op, tensor.device, tensor.dtype)
+    if needs_grad:
+        _warn_once(op, "autograd", "gradients are required; the fused kernels are forward-only, so the torch "
+                   "reference ops run (same math, differentiable)")
+        return "torch"
+    if requested == "triton":
+        reasons = options["triton"]
+        if reasons:
+            raise RuntimeError(f"{ENV_BACKEND}=triton but Triton cannot run {op} here: " + "; ".join(reasons))
+        return "triton"
+    for backend, reasons in options.items():
+        if not reasons:
+            return backend
+        if backend != "triton" or tensor.device.type == "cuda":
+            _warn_once(op, backend, "; ".join(reasons))
+    return "torch"
+
+
+def _warn_once(op: str, backend: str, why: str) -> None:
+    if (op, backend) in _warned:
+        return
+    _warned.add((op, backend))
+    warnings.warn(f"fastbert: {op} is not using {backend}: {why}", RuntimeWarning, stacklevel=3)
+
+
+def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """(op -> backend that runs, op -> why faster backends were skipped) for tensors of this device and dtype."""
+    backends, reasons = {}, {}
+    requested = requested_backend()
+    for op in OPS:
+        options = candidates(op, device, dtype)
+        if requested == "torch":
+            backends[op], reasons[op] = "torch", [f"{ENV_BACKEND}=torch"]
+            continue
+        if requested == "triton":
+            backends[op] = "triton" if not options["triton"] else "unavailable"
+            reasons[op] = [f"{ENV_BACKEND}=triton"] + options["triton"]
+            continue
+        chosen = next(b for b, r in options.items() if not r)
+        backends[op] = chosen
+        reasons[op] = [f"{b}: {'; '.join(r)}" for b, r in options.items() if r and b != chosen][: list(options).index(chosen)]
+    return backends, reasons

@@ -1,0 +1,60 @@
+"""What fastbert runs here: versions, the native extension's build, and the backend of each op with the reasons
+faster ones were skipped. ``fastbert.info()`` returns it as a dict; ``python -m fastbert.info`` prints it.
+"""
+
+import importlib.metadata
+import json
+import platform
+import sys
+import types
+
+import torch
+
+from . import __version__, _extension, dispatch, validation
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def info() -> dict:
+    ext = _extension.build_info()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    backends, reasons = dispatch.report(device, dtype)
+    return {
+        "fastbert": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": _version("triton"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "ext_cpu": bool(ext.get("cpu")),
+        "ext_openmp": bool(ext.get("openmp")),
+        "ext_cuda": bool(ext.get("cuda")),
+        "ext_cuda_version": ext.get("cuda_version"),
+        "cuda_archs": list(ext.get("archs", [])),
+        "ext_error": ext.get("error"),
+        "requested_backend": dispatch.requested_backend(),
+        "triton_interpret": dispatch.triton_interpreter(),
+        "input_checks": validation.input_checks_enabled(),
+        "backends": backends,
+        "reasons": reasons,
+    }
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``fastbert.info()`` call this module, which ``python -m fastbert.info`` runs."""
+
+    def __call__(self) -> dict:
+        return info()
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    print(json.dumps(info(), indent=2))

@@ -1,0 +1,67 @@
+"""Where the real tokens are: the dense [B, S] layout, or the packed (padding-free) one.
+
+Packing finds the real tokens once per forward, so every layer runs on [total_tokens, hidden] and no GEMM, LayerNorm
+or GELU touches padding. The one host<->device sync of a padded forward is here: ``seqlens.tolist()`` sizes the packed
+tensor (and gives the CPU attention its per-sequence lengths); nothing per layer syncs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How the [N, hidden] activations map onto the [batch, seq_len] input.
+
+    Dense: N = batch * seq_len, row-major; ``key_padding_mask`` [B, S] bool (True = real token) or None.
+    Packed: N = total real tokens in mask order; ``indices`` [N] int64 into the flattened [B * S];
+    ``cu_seqlens`` [B + 1] int32 (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); ``seqlens`` the same on host.
+    """
+
+    batch: int
+    seq_len: int
+    key_padding_mask: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    seqlens: tuple[int, ...] | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.indices is not None
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seqlens, default=0) if self.packed else self.seq_len
+
+
+def dense_layout(batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> TokenLayout:
+    return TokenLayout(batch, seq_len, key_padding_mask=None if attention_mask is None else attention_mask.bool())
+
+
+def packed_layout(attention_mask: torch.Tensor) -> TokenLayout:
+    """attention_mask [B, S] (nonzero = real token) -> packed layout. One host sync (the sequence lengths)."""
+    batch, seq_len = attention_mask.shape
+    keep = attention_mask.bool()
+    seqlens = keep.sum(dim=1, dtype=torch.int32)  # [B]
+    host_seqlens = tuple(seqlens.tolist())  # the sync: sizes the packed tensor
+    # Row-major nonzero of the flattened mask = real tokens of row 0, then row 1, ...: each row's tokens contiguous.
+    indices = torch.nonzero_static(keep.flatten(), size=sum(host_seqlens)).flatten()
+    cu_seqlens = F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+    return TokenLayout(batch, seq_len, indices=indices, cu_seqlens=cu_seqlens, seqlens=host_seqlens)
+
+
+def pack(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """[B, S, ...] -> [N, ...] in the layout's token order."""
+    flat = x.flatten(0, 1)
+    return flat.index_select(0, layout.indices) if layout.packed else flat
+
+
+def unpack(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """[N, ...] -> [B, S, ...]; padding positions of a packed layout are zeros."""
+    if not layout.packed:
+        return x.view(layout.batch, layout.seq_len, *x.shape[1:])
+    out = x.new_zeros(layout.batch * layout.seq_len, *x.shape[1:])
+    out.index_copy_(0, layout.indices, x)
+    return out.view(layout.batch, layout.seq_len, *x.shape[1:])

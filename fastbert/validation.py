@@ -1,0 +1,108 @@
+"""Input checks: every bad input gets a clear Python exception before any kernel runs.
+
+Shape and dtype checks are free (they read metadata only). Range checks read the data: on a GPU they cost one
+host sync per forward, so they can be turned off for latency-critical serving with ``fastbert.set_input_checks(False)``
+or ``FASTBERT_CHECK_INPUTS=0``; the kernels then clamp indices into their tables, so a bad id still never reads out
+of bounds (it silently embeds a wrong token: garbage in, garbage out, but no crash or memory fault).
+
+The range check is a registered op, so ``torch.compile(fullgraph=True)`` keeps it as one opaque call instead of
+breaking the graph on data-dependent Python control flow. It returns the ids it checked, flattened into one
+[3, tokens] int64 tensor (word, token type, position), which is what the embedding op consumes anyway.
+"""
+
+import os
+
+import torch
+
+_checks_enabled = os.environ.get("FASTBERT_CHECK_INPUTS", "1") not in ("0", "false", "False")
+
+
+def set_input_checks(enabled: bool) -> None:
+    """Turn the data-dependent range checks (one host sync per forward on GPU) on or off."""
+    global _checks_enabled
+    _checks_enabled = bool(enabled)
+
+
+def input_checks_enabled() -> bool:
+    return _checks_enabled
+
+
+def check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> tuple[int, int]:
+    """Metadata-only checks; returns (batch, seq_len)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    if input_ids is not None:
+        _check_integer("input_ids", input_ids)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        batch, seq_len = input_ids.shape
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be [batch, seq_len, {config.hidden_size}], got {tuple(inputs_embeds.shape)}"
+            )
+        if not inputs_embeds.is_floating_point():
+            raise TypeError(f"inputs_embeds must be floating point, got {inputs_embeds.dtype}")
+        batch, seq_len = inputs_embeds.shape[:2]
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq_len):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but the input is [{batch}, {seq_len}]"
+        )
+    if token_type_ids is not None:
+        _check_integer("token_type_ids", token_type_ids)
+        if tuple(token_type_ids.shape) != (batch, seq_len):
+            raise ValueError(
+                f"token_type_ids has shape {tuple(token_type_ids.shape)} but the input is [{batch}, {seq_len}]"
+            )
+    if position_ids is not None:
+        _check_integer("position_ids", position_ids)
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq_len:
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)}; expected [{batch}, {seq_len}] or [1, {seq_len}]"
+            )
+    elif seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {seq_len} exceeds max_position_embeddings={config.max_position_embeddings}"
+        )
+    if batch > 0 and seq_len == 0:
+        raise ValueError("zero-length sequences have no first token for the pooler; pass seq_len >= 1")
+    return batch, seq_len
+
+
+def _check_integer(name: str, t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+@torch.library.custom_op("fastbert::checked_indices", mutates_args=())
+def checked_indices(
+    input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor, limits: list[int]
+) -> torch.Tensor:
+    """[B, S] ids, token types, positions -> [3, B*S] int64, after checking each lies in [0, limit)."""
+    stacked = torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()
+    if stacked.numel() == 0:
+        return stacked
+    high = torch.tensor(limits, device=stacked.device)[:, None]
+    bad = ((stacked < 0) | (stacked >= high)).any(dim=1)  # [3]
+    if bool(bad.any()):  # the one host sync of the checks
+        names = ("input_ids", "token_type_ids", "position_ids")
+        tables = ("vocab_size", "type_vocab_size", "max_position_embeddings")
+        i = int(bad.nonzero()[0])
+        lo, hi = int(stacked[i].min()), int(stacked[i].max())
+        raise ValueError(
+            f"{names[i]} out of range: values span [{lo}, {hi}] but must lie in [0, {limits[i]}) "
+            f"({tables[i]}={limits[i]})"
+        )
+    return stacked
+
+
+@checked_indices.register_fake
+def _(input_ids, token_type_ids, position_ids, limits):
+    return input_ids.new_empty((3, input_ids.numel()), dtype=torch.long)
+
+
+def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int]) -> torch.Tensor:
+    """The [3, B*S] int64 index tensor, range-checked unless checks are off."""
+    if _checks_enabled:
+        return checked_indices(input_ids, token_type_ids, position_ids, limits)
+    return torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()
