@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build, CUDA tests, kernel timings, model benchmark; results under $OUT (default ./gpu-out).
+# Usage (from the repository root): bash benchmarks/gpu_check.sh
+set -uo pipefail
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+status=0
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} > "$out/env.txt" 2>&1
+
+pip install --no-build-isolation -e . > "$out/build.log" 2>&1 || { echo "build failed"; tail -50 "$out/build.log"; exit 1; }
+python -m fastbert.info > "$out/info.json" 2>&1
+
+# The whole suite: the CUDA parametrizations run here; CPU/interpreter ones run too.
+python -m pytest tests -q -x -p no:cacheprovider > "$out/tests.log" 2>&1 || status=1
+tail -5 "$out/tests.log"
+
+python benchmarks/bench_kernels.py --out "$out" --dtype float16 > "$out/kernels.log" 2>&1 || status=1
+python benchmarks/bench_kernels.py --out "$out/bf16" --dtype bfloat16 > "$out/kernels_bf16.log" 2>&1 || status=1
+python benchmarks/bench.py --device cuda --dtype float16,bfloat16 --model bert-base --batch 1,8,32,128,256 \
+  --seq-len 128,512 --pad-ratio 0,0.5 --out "$out/model" > "$out/model.log" 2>&1 || status=1
+tail -40 "$out/kernels.log" "$out/model.log"
+exit $status
