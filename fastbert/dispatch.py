@@ -135,7 +135,8 @@ def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], di
             backends[op] = "triton" if not options["triton"] else "unavailable"
             reasons[op] = [f"{ENV_BACKEND}=triton"] + options["triton"]
             continue
-        chosen = next(b for b, r in options.items() if not r)
+        order = list(options)
+        chosen = next(b for b in order if not options[b])
         backends[op] = chosen
-        reasons[op] = [f"{b}: {'; '.join(r)}" for b, r in options.items() if r and b != chosen][: list(options).index(chosen)]
+        reasons[op] = [f"{b}: {'; '.join(options[b])}" for b in order[: order.index(chosen)]]
     return backends, reasons
