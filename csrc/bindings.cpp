@@ -1,0 +1,156 @@
+// fastbert._C: the torch-free pybind11 module (DESIGN.md section 2).
+//
+// Python passes tensors as raw pointers (tensor.data_ptr()), their sizes and a dtype code; fastbert/_extension.py
+// owns the torch side (checks, contiguity, allocation, the torch.library op). The checks here are the last line
+// of defence of a raw-pointer API: sizes that would make a kernel read outside a table raise ValueError.
+// build_info() reports what setup.py compiled, from macros it defines (FASTBERT_WITH_CUDA, FASTBERT_CUDA_*).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "embedding_layer_norm.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using fastbert::DType;
+using fastbert::EmbeddingLayerNormArgs;
+
+EmbeddingLayerNormArgs make_args(std::uintptr_t out, std::uintptr_t input_ids, std::uintptr_t position_ids,
+                                 std::uintptr_t token_type_ids, std::uintptr_t word, std::uintptr_t position,
+                                 std::uintptr_t token_type, std::uintptr_t weight, std::uintptr_t bias,
+                                 int64_t n_tokens, int64_t hidden, int64_t vocab, int64_t max_positions,
+                                 int64_t type_vocab, double eps, int dtype) {
+  if (n_tokens < 0 || hidden < 0) throw std::invalid_argument("n_tokens and hidden must be >= 0");
+  if (hidden > INT32_MAX) throw std::invalid_argument("hidden must fit in 32 bits");
+  if (vocab < 1 || max_positions < 1 || type_vocab < 1) {
+    throw std::invalid_argument("every embedding table needs at least one row (indices are clamped into it)");
+  }
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+  const bool has_work = n_tokens > 0 && hidden > 0;
+  if (has_work && !(out && input_ids && position_ids && token_type_ids && word && position && token_type && weight && bias)) {
+    throw std::invalid_argument("null data pointer");
+  }
+  return {reinterpret_cast<void*>(out),
+          reinterpret_cast<const int64_t*>(input_ids),
+          reinterpret_cast<const int64_t*>(position_ids),
+          reinterpret_cast<const int64_t*>(token_type_ids),
+          reinterpret_cast<const void*>(word),
+          reinterpret_cast<const void*>(position),
+          reinterpret_cast<const void*>(token_type),
+          reinterpret_cast<const void*>(weight),
+          reinterpret_cast<const void*>(bias),
+          n_tokens,
+          hidden,
+          vocab,
+          max_positions,
+          type_vocab,
+          static_cast<float>(eps),
+          static_cast<DType>(dtype)};
+}
+
+void embedding_layer_norm_cpu(std::uintptr_t out, std::uintptr_t input_ids, std::uintptr_t position_ids,
+                              std::uintptr_t token_type_ids, std::uintptr_t word, std::uintptr_t position,
+                              std::uintptr_t token_type, std::uintptr_t weight, std::uintptr_t bias, int64_t n_tokens,
+                              int64_t hidden, int64_t vocab, int64_t max_positions, int64_t type_vocab, double eps,
+                              int dtype, int num_threads) {
+  const EmbeddingLayerNormArgs args = make_args(out, input_ids, position_ids, token_type_ids, word, position,
+                                                token_type, weight, bias, n_tokens, hidden, vocab, max_positions,
+                                                type_vocab, eps, dtype);
+  if (n_tokens == 0 || hidden == 0) return;
+  fastbert::embedding_layer_norm_cpu(args, num_threads);
+}
+
+void embedding_layer_norm_cuda(std::uintptr_t out, std::uintptr_t input_ids, std::uintptr_t position_ids,
+                               std::uintptr_t token_type_ids, std::uintptr_t word, std::uintptr_t position,
+                               std::uintptr_t token_type, std::uintptr_t weight, std::uintptr_t bias, int64_t n_tokens,
+                               int64_t hidden, int64_t vocab, int64_t max_positions, int64_t type_vocab, double eps,
+                               int dtype, std::uintptr_t stream) {
+  const EmbeddingLayerNormArgs args = make_args(out, input_ids, position_ids, token_type_ids, word, position,
+                                                token_type, weight, bias, n_tokens, hidden, vocab, max_positions,
+                                                type_vocab, eps, dtype);
+#if defined(FASTBERT_WITH_CUDA)
+  if (n_tokens == 0 || hidden == 0) return;
+  fastbert::embedding_layer_norm_cuda(args, stream);
+#else
+  (void)args;
+  (void)stream;
+  throw std::runtime_error(std::string("fastbert._C was built without CUDA: ") + FASTBERT_CUDA_SKIP_REASON);
+#endif
+}
+
+// "" when the CUDA kernel can run on the current device, else why not.
+std::string cuda_probe() {
+#if defined(FASTBERT_WITH_CUDA)
+  return fastbert::embedding_layer_norm_cuda_probe();
+#else
+  return std::string("fastbert._C was built without CUDA: ") + FASTBERT_CUDA_SKIP_REASON;
+#endif
+}
+
+std::vector<std::string> split_words(const std::string& text) {
+  std::istringstream stream(text);
+  std::vector<std::string> words;
+  for (std::string word; stream >> word;) words.push_back(word);
+  return words;
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["cpu"] = true;
+#if defined(_OPENMP)
+  info["openmp"] = true;
+#else
+  info["openmp"] = false;
+#endif
+#if defined(FASTBERT_WITH_CUDA)
+  info["cuda"] = true;
+  info["cuda_version"] = FASTBERT_CUDA_VERSION;
+  info["archs"] = split_words(FASTBERT_CUDA_ARCHS);
+  const std::string ptx = FASTBERT_CUDA_PTX;
+  info["ptx"] = ptx.empty() ? py::none() : py::object(py::str(ptx));
+  info["cuda_skip_reason"] = py::none();
+#else
+  info["cuda"] = false;
+  info["cuda_version"] = py::none();
+  info["archs"] = py::list();
+  info["ptx"] = py::none();
+  info["cuda_skip_reason"] = FASTBERT_CUDA_SKIP_REASON;
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastbert's torch-free kernels: raw pointers, sizes, a dtype code (0 float32, 1 float16, 2 bfloat16)";
+
+  m.def("embedding_layer_norm_cpu", &embedding_layer_norm_cpu,
+        "out[n] = LayerNorm(word[ids[n]] + position[pos[n]] + token_type[tt[n]]) * weight + bias on the CPU "
+        "(float32/bfloat16; indices clamped into their tables; num_threads <= 0: OpenMP's default).",
+        py::arg("out"), py::arg("input_ids"), py::arg("position_ids"), py::arg("token_type_ids"), py::arg("word"),
+        py::arg("position"), py::arg("token_type"), py::arg("weight"), py::arg("bias"), py::arg("n_tokens"),
+        py::arg("hidden"), py::arg("vocab"), py::arg("max_positions"), py::arg("type_vocab"), py::arg("eps"),
+        py::arg("dtype"), py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("embedding_layer_norm_cuda", &embedding_layer_norm_cuda,
+        "Same as embedding_layer_norm_cpu on the current CUDA device (float32/float16/bfloat16), launched on "
+        "`stream` (a cudaStream_t as an int). Raises RuntimeError with CUDA's message if the launch fails.",
+        py::arg("out"), py::arg("input_ids"), py::arg("position_ids"), py::arg("token_type_ids"), py::arg("word"),
+        py::arg("position"), py::arg("token_type"), py::arg("weight"), py::arg("bias"), py::arg("n_tokens"),
+        py::arg("hidden"), py::arg("vocab"), py::arg("max_positions"), py::arg("type_vocab"), py::arg("eps"),
+        py::arg("dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("cuda_probe", &cuda_probe,
+        "'' when the CUDA kernel can run on the current device, else why not (no kernel image for this GPU, "
+        "driver older than the CUDA runtime fastbert was built with, no device, or built without CUDA).");
+
+  m.def("build_info", &build_info,
+        "What this build contains: cpu, openmp, cuda, cuda_version, archs (SASS), ptx, cuda_skip_reason.");
+}

@@ -1,0 +1,157 @@
+"""The torch side of the native extension ``fastbert._C``: loading it, saying what it can run here, and its ops.
+
+``_C`` is torch-free (DESIGN.md section 2): it takes raw pointers, sizes, a dtype code and a CUDA stream. This module
+checks the tensors, makes them contiguous, allocates outputs with ``torch.empty`` and registers each kernel with
+``torch.library``, so ``torch.compile(fullgraph=True)`` and CUDA graphs see one opaque op. A missing or partial
+``_C`` never fails the import: the ``*_unavailable_reasons`` functions say why, and ``fastbert.dispatch`` falls back.
+"""
+
+import functools
+
+import torch
+
+try:
+    from . import _C
+
+    _IMPORT_ERROR = None
+except ImportError as error:  # built without the extension, or for another Python
+    _C = None
+    _IMPORT_ERROR = f"fastbert._C failed to import ({error}); reinstall fastbert (`pip install -v .` shows its build)"
+
+# dtype codes of csrc/embedding_layer_norm.h's DType.
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
+if _C is None:
+    _BUILD_INFO = {"cpu": False, "openmp": False, "cuda": False, "cuda_version": None, "archs": [], "ptx": None,
+                   "cuda_skip_reason": None, "error": _IMPORT_ERROR}
+else:
+    _BUILD_INFO = dict(_C.build_info())
+
+
+def build_info() -> dict:
+    """What ``_C`` contains: cpu, openmp, cuda, cuda_version ("13.0"), archs (["sm_75", ...]), ptx ("compute_90"),
+    cuda_skip_reason (why CUDA was not built); plus ``error`` when ``_C`` did not import."""
+    return {key: list(value) if isinstance(value, list) else value for key, value in _BUILD_INFO.items()}
+
+
+def cpu_unavailable_reasons() -> list[str]:
+    return [_IMPORT_ERROR] if _C is None else []
+
+
+def cuda_unavailable_reasons(device) -> list[str]:
+    """Why ``_C``'s CUDA kernels cannot run on ``device`` ([] when they can). Cheap after the first call per device."""
+    if _C is None:
+        return [_IMPORT_ERROR]
+    if not _BUILD_INFO["cuda"]:
+        return [f"fastbert._C was built without CUDA ({_BUILD_INFO['cuda_skip_reason']})"]
+    if not torch.cuda.is_available():
+        return ["torch sees no CUDA device"]
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return list(_cuda_reasons(index))
+
+
+def _runs_on(capability: int, archs: list[str], ptx: str | None) -> bool:
+    """CUDA's compatibility rules: SASS for sm_XY runs on X.Z with Z >= Y (same major); PTX for compute_N is
+    JIT-compiled for any device >= N."""
+    sass = [int(arch.removeprefix("sm_")) for arch in archs]
+    if any(arch // 10 == capability // 10 and arch <= capability for arch in sass):
+        return True
+    return ptx is not None and int(ptx.removeprefix("compute_")) <= capability
+
+
+@functools.cache
+def _cuda_reasons(index: int) -> tuple[str, ...]:
+    archs, ptx = _BUILD_INFO["archs"], _BUILD_INFO["ptx"]
+    major, minor = torch.cuda.get_device_capability(index)
+    if not _runs_on(major * 10 + minor, archs, ptx):
+        also_ptx = f" and PTX {ptx}" if ptx else ""
+        return (f"fastbert._C was built for {', '.join(archs)}{also_ptx}, this GPU is sm_{major}{minor} "
+                f"(reinstall with FASTBERT_CUDA_ARCH_LIST={major}.{minor})",)
+    with torch.cuda.device(index):
+        problem = _C.cuda_probe()  # e.g. a driver older than the CUDA runtime _C was built with
+    return (f"fastbert._C's CUDA kernels cannot run on cuda:{index}: {problem}",) if problem else ()
+
+
+def _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias):
+    """Raise TypeError/ValueError unless the arguments describe a valid call (metadata only: also fake tensors)."""
+    for name, ids in (("input_ids", input_ids), ("position_ids", position_ids), ("token_type_ids", token_type_ids)):
+        if ids.dtype != torch.int64:
+            raise TypeError(f"{name} must be int64, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D [tokens], got shape {tuple(ids.shape)}")
+    if not input_ids.shape == position_ids.shape == token_type_ids.shape:
+        raise ValueError(f"input_ids, position_ids, token_type_ids lengths differ: {input_ids.shape[0]}, "
+                         f"{position_ids.shape[0]}, {token_type_ids.shape[0]}")
+    if word.dtype not in _DTYPE_CODES:
+        raise TypeError(f"embedding tables must be float32, float16 or bfloat16, got {word.dtype}")
+    if weight.dim() != 1:
+        raise ValueError(f"weight must be 1-D [hidden], got shape {tuple(weight.shape)}")
+    hidden = weight.shape[0]
+    for name, table in (("position", position), ("token_type", token_type), ("weight", weight), ("bias", bias)):
+        if table.dtype != word.dtype:
+            raise TypeError(f"{name} is {table.dtype} but word is {word.dtype}: all tables need one dtype")
+    if bias.shape != weight.shape:
+        raise ValueError(f"bias must be [hidden={hidden}] like weight, got shape {tuple(bias.shape)}")
+    for name, table in (("word", word), ("position", position), ("token_type", token_type)):
+        if table.dim() != 2 or table.shape[1] != hidden or table.shape[0] == 0:
+            raise ValueError(f"{name} must be [rows >= 1, hidden={hidden}], got shape {tuple(table.shape)}")
+    tensors = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
+    if any(t.device != word.device for t in tensors):
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if word.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fastbert._C runs on cpu and cuda tensors, not {word.device.type}")
+    if word.device.type == "cpu" and word.dtype not in _CPU_DTYPES:
+        raise TypeError(f"the C++ CPU kernel takes float32 or bfloat16, not {word.dtype}")
+
+
+@torch.library.custom_op("fastbert::embedding_layer_norm_ext", mutates_args=())
+def embedding_layer_norm_ext(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    token_type_ids: torch.Tensor,
+    word: torch.Tensor,
+    position: torch.Tensor,
+    token_type: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """[tokens] ids x3, tables [rows, hidden] x3, weight/bias [hidden] -> [tokens, hidden] (tables' dtype)."""
+    _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
+    if _C is None:
+        raise RuntimeError(_IMPORT_ERROR)
+    # The kernels read raw pointers as dense row-major arrays; contiguous() is free when they already are.
+    tensors = [t.contiguous() for t in (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)]
+    out = torch.empty((input_ids.shape[0], word.shape[1]), dtype=word.dtype, device=word.device)
+    if out.numel() == 0:
+        return out
+    args = (out.data_ptr(), *(t.data_ptr() for t in tensors), out.shape[0], out.shape[1], word.shape[0],
+            position.shape[0], token_type.shape[0], float(eps), _DTYPE_CODES[word.dtype])
+    if word.device.type == "cuda":
+        with torch.cuda.device(word.device):
+            _C.embedding_layer_norm_cuda(*args, torch.cuda.current_stream().cuda_stream)
+    else:
+        _C.embedding_layer_norm_cpu(*args, torch.get_num_threads())
+    return out
+
+
+@embedding_layer_norm_ext.register_fake
+def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+    _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
+    return word.new_empty((input_ids.shape[0], word.shape[1]))
+
+
+def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+    """``LayerNorm(word[input_ids] + position[position_ids] + token_type[token_type_ids]) * weight + bias``.
+
+    input_ids, position_ids, token_type_ids: [tokens] int64 (dense [B*S] or packed); word: [vocab, hidden],
+    position: [max_positions, hidden], token_type: [type_vocab, hidden], weight, bias: [hidden], one float dtype
+    (float32/bfloat16 on CPU, also float16 on CUDA), one device. Returns [tokens, hidden]; statistics in fp32.
+    Indices outside a table are clamped into it (callers validate ranges first). Raises TypeError/ValueError
+    before any launch when the arguments do not fit; non-contiguous inputs are copied, not refused.
+    """
+    return embedding_layer_norm_ext(input_ids, position_ids, token_type_ids, word, position, token_type, weight,
+                                    bias, float(eps))
