@@ -11,7 +11,6 @@ Each backend states why it does not apply; ``fastbert.info()`` reports those rea
 backend is skipped for a reason other than the user's own choice, a warning says why.
 """
 
-import functools
 import importlib.util
 import os
 import warnings
@@ -38,18 +37,13 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
-def triton_missing_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    return None
+_TRITON_MISSING = None if importlib.util.find_spec("triton") else "triton is not installed"
 
 
 def _triton_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
     reasons = []
-    missing = triton_missing_reason()
-    if missing:
-        reasons.append(missing)
+    if _TRITON_MISSING:
+        reasons.append(_TRITON_MISSING)
     if device.type == "cpu" and not triton_interpreter():
         reasons.append("CPU tensors run Triton only under TRITON_INTERPRET=1")
     elif device.type not in ("cpu", "cuda"):
@@ -89,7 +83,7 @@ def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, l
     return options
 
 
-_warned: set[tuple[str, str]] = set()
+_warned: set[str] = set()  # messages already shown
 
 
 def choose(op: str, tensor: torch.Tensor, needs_grad: bool = False) -> str:
@@ -98,28 +92,26 @@ def choose(op: str, tensor: torch.Tensor, needs_grad: bool = False) -> str:
     if requested == "torch":
         return "torch"
     options = candidates(op, tensor.device, tensor.dtype)
-    if needs_grad:
-        _warn_once(op, "autograd", "gradients are required; the fused kernels are forward-only, so the torch "
-                   "reference ops run (same math, differentiable)")
+    if requested == "triton" and options["triton"]:
+        raise RuntimeError(f"{ENV_BACKEND}=triton but Triton cannot run {op} here: " + "; ".join(options["triton"]))
+    best = "triton" if requested == "triton" else next(b for b, reasons in options.items() if not reasons)
+    if needs_grad and best != "torch":
+        _warn_once(f"{op} runs the torch reference ops instead of {best}: gradients are required and the fused "
+                   "kernels are forward-only (same math, differentiable)")
         return "torch"
-    if requested == "triton":
-        reasons = options["triton"]
-        if reasons:
-            raise RuntimeError(f"{ENV_BACKEND}=triton but Triton cannot run {op} here: " + "; ".join(reasons))
-        return "triton"
-    for backend, reasons in options.items():
-        if not reasons:
-            return backend
-        if backend != "triton" or tensor.device.type == "cuda":
-            _warn_once(op, backend, "; ".join(reasons))
-    return "torch"
+    if requested == "auto":
+        for backend in list(options)[: list(options).index(best)]:
+            # On CPU, skipping Triton is the design (torch ops are the fast path there), not a fallback to report.
+            if backend != "triton" or tensor.device.type == "cuda":
+                _warn_once(f"{op} is not using {backend}: {'; '.join(options[backend])}")
+    return best
 
 
-def _warn_once(op: str, backend: str, why: str) -> None:
-    if (op, backend) in _warned:
+def _warn_once(message: str) -> None:
+    if message in _warned:
         return
-    _warned.add((op, backend))
-    warnings.warn(f"fastbert: {op} is not using {backend}: {why}", RuntimeWarning, stacklevel=3)
+    _warned.add(message)
+    warnings.warn(f"fastbert: {message}", RuntimeWarning, stacklevel=3)
 
 
 def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], dict[str, list[str]]]:

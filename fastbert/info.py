@@ -26,11 +26,13 @@ def info() -> dict:
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     backends, reasons = dispatch.report(device, dtype)
     return {
-        "fastbert": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "triton": _version("triton"),
+        "versions": {
+            "fastbert": __version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "triton": _version("triton"),
+        },
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "ext_cpu": bool(ext.get("cpu")),

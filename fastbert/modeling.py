@@ -81,27 +81,49 @@ class BertSelfAttention(_Module):
 
     def _configure(self, config):
         self.num_attention_heads = config.num_attention_heads
-        self._qkv_cache = None  # (key, weight [3 * hidden, hidden], bias [3 * hidden])
+        self._qkv = None  # (weight [3 * hidden, hidden], bias [3 * hidden]) that query/key/value are views of
 
     def qkv_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query/key/value projections stacked for one GEMM.
+        """The query/key/value projections stacked for one GEMM: weight [3 * hidden, hidden], bias [3 * hidden].
 
-        Derived from the HF parameters, never stored in the state_dict. For inference it is cached and rebuilt when
-        any of the six parameters is replaced, moved or updated in place (their storage or version changes).
+        With autograd on (training) they are concatenated on every call, so gradients reach the HF parameters.
+        Without autograd the stacked tensors are built once and the six parameters are re-pointed to views of them:
+        no extra memory, and every in-place write to a parameter (an optimizer step, ``p.data.copy_``, an EMA
+        update) shows through. Replacing or moving a parameter (``load_state_dict(assign=True)``, ``.to()``,
+        ``.half()``) breaks the aliasing, which the pointer check sees, and the stacked tensors are rebuilt.
         """
         params = (self.query.weight, self.key.weight, self.value.weight, self.query.bias, self.key.bias, self.value.bias)
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():
             return torch.cat(params[:3]), torch.cat(params[3:])
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        if self._qkv_cache is None or self._qkv_cache[0] != key:
-            self._qkv_cache = (key, torch.cat(params[:3]), torch.cat(params[3:]))
-        return self._qkv_cache[1], self._qkv_cache[2]
+        if self._qkv is None or not _views_of(params[:3], self._qkv[0]) or not _views_of(params[3:], self._qkv[1]):
+            self._qkv = _stack_and_alias(params[:3]), _stack_and_alias(params[3:])
+        return self._qkv
 
     def forward(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
         weight, bias = self.qkv_weight_and_bias()
         qkv = F.linear(x, weight, bias)  # [N, 3 * hidden]
         p = self.dropout.p if self.training else 0.0
         return ops.attention(qkv, layout, self.num_attention_heads, p)  # [N, hidden]
+
+
+def _views_of(params: tuple[torch.Tensor, ...], stacked: torch.Tensor) -> bool:
+    """Whether ``params`` are still the consecutive equal chunks of ``stacked`` (same storage, same offsets)."""
+    step = params[0].numel() * params[0].element_size()
+    return all(
+        p.data_ptr() == stacked.data_ptr() + i * step and p.dtype == stacked.dtype and p.shape == params[0].shape
+        for i, p in enumerate(params)
+    )
+
+
+def _stack_and_alias(params: tuple[nn.Parameter, ...]) -> torch.Tensor:
+    """Concatenate ``params`` along dim 0 and make each parameter a view of its chunk (the Parameter objects stay)."""
+    # Outside inference mode, so that the parameters never become inference tensors (training after an
+    # inference_mode forward must still work).
+    with torch.inference_mode(False), torch.no_grad():
+        stacked = torch.cat([p.detach() for p in params])
+        for p, chunk in zip(params, stacked.chunk(len(params))):
+            p.data = chunk
+    return stacked
 
 
 class _DenseResidualLayerNorm(_Module):

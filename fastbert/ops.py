@@ -41,7 +41,9 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
         input_ids = input_ids.clamp(0, word.shape[0] - 1)
         token_type_ids = token_type_ids.clamp(0, token_type.shape[0] - 1)
         position_ids = position_ids.clamp(0, position.shape[0] - 1)
-        words = word[input_ids] if inputs_embeds is None else inputs_embeds
+        # F.embedding with padding_idx, as HF's nn.Embedding: the pad token's row gets no gradient.
+        pad = embeddings.word_embeddings.padding_idx
+        words = F.embedding(input_ids, word, pad) if inputs_embeds is None else inputs_embeds
         x = words + token_type[token_type_ids] + position[position_ids]
         return F.dropout(F.layer_norm(x, x.shape[-1:], ln.weight, ln.bias, ln.eps), p, embeddings.training)
     fused = _extension.embedding_layer_norm if backend.endswith("-ext") else embedding_kernels.embedding_layer_norm
@@ -53,18 +55,20 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
 
     qkv: [tokens, 3 * hidden] straight from the fused QKV GEMM -> [tokens, hidden].
     """
-    tokens = qkv.shape[0]
-    head_dim = qkv.shape[1] // (3 * num_heads)
+    tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
+    head_dim = hidden // num_heads
     heads = qkv.view(tokens, 3, num_heads, head_dim)
     backend = dispatch.choose("attention", qkv, _needs_grad(qkv) or dropout_p > 0)
+    # Explicit [tokens, hidden] (not -1): tokens may be 0 (an empty batch, or every row fully padded).
     if backend == "triton":
         if layout.packed:
-            return attention_kernels.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen).view(tokens, -1)
+            return attention_kernels.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen).view(tokens, hidden)
         padded = heads.view(layout.batch, layout.seq_len, 3, num_heads, head_dim)
-        return attention_kernels.attention(padded, layout.key_padding_mask).view(tokens, -1)
+        return attention_kernels.attention(padded, layout.key_padding_mask).view(tokens, hidden)
     if layout.packed:
-        return _attention_varlen_sdpa(heads, layout.seqlens, dropout_p).view(tokens, -1)
-    return _attention_sdpa(heads, layout, dropout_p).view(tokens, -1)
+        return _attention_varlen_sdpa(heads, layout.seqlens, dropout_p).view(tokens, hidden)
+    # reshape, not view: SDPA's math backend (dropout, float64) returns [B, H, S, D]-contiguous memory.
+    return _attention_sdpa(heads, layout, dropout_p).reshape(tokens, hidden)
 
 
 def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float) -> torch.Tensor:

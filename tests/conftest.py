@@ -1,0 +1,141 @@
+"""Shared fixtures of the test suite."""
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model-level tests (tests/test_model_*.py): fastbert next to transformers.BertModel, and the one comparison rule.
+#
+# The rule is flash-attention's (tests/models/test_bert.py there): run fastbert and HF in the same dtype, and HF in
+# float64 as the reference; fastbert's error must be at most twice HF's own error plus a tiny atol (a fraction of the
+# dtype's ulp at the outputs' magnitude, ~4). In fp32 fastbert must also be within 1e-4 of HF. Only real tokens are
+# compared: the packed path leaves zeros at padding positions by design, where HF's values carry no meaning.
+# ---------------------------------------------------------------------------------------------------------------
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+
+# dtype -> (atol of the 2x rule, max |fastbert - HF| in that dtype or None)
+MODEL_TOLERANCES = {
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (1e-3, None),
+    torch.bfloat16: (1e-2, None),
+}
+
+
+def _small_bert_config(**overrides) -> transformers.BertConfig:
+    """A few-layer BERT that runs in milliseconds on CPU; dropout off so train/eval and HF/fastbert agree."""
+    values = dict(
+        vocab_size=99,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    values.update(overrides)
+    return transformers.BertConfig(**values)
+
+
+def _randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random, biases and LayerNorm included (HF's init zeroes biases, which would hide a kernel that
+    drops one). Weights ~ N(0, 1/fan_in), so attention is neither uniform nor one-hot."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            if "LayerNorm.weight" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.1 * noise)
+            elif "embeddings" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise * p.shape[1] ** -0.5)
+
+
+@dataclasses.dataclass
+class BertTrio:
+    """The same weights three ways: fastbert and HF in ``dtype``, and HF in float64 (eager attention) as reference."""
+
+    config: transformers.BertConfig
+    fast: torch.nn.Module
+    hf: torch.nn.Module
+    ref: torch.nn.Module
+
+    def run(self, *args, **kwargs):
+        """(fastbert, HF, reference) outputs for the same inputs, without autograd."""
+        with torch.no_grad():
+            return self.fast(*args, **kwargs), self.hf(*args, **kwargs), self.ref(*args, **kwargs)
+
+
+@pytest.fixture
+def small_bert_config():
+    """Factory: ``small_bert_config(**overrides) -> BertConfig``."""
+    return _small_bert_config
+
+
+@pytest.fixture
+def bert_trio():
+    """Factory: ``bert_trio(config_or_overrides, dtype=fp32, seed=0, add_pooling_layer=True, unpad=True)``."""
+
+    def make(config=None, dtype=torch.float32, seed=0, add_pooling_layer=True, unpad=True, **overrides):
+        if config is None:
+            config = _small_bert_config(**overrides)
+        torch.manual_seed(seed)
+        hf = transformers.BertModel(config, add_pooling_layer=add_pooling_layer).eval()
+        _randomize_(hf, seed)
+        fast = fastbert.BertModel(config, add_pooling_layer=add_pooling_layer, unpad=unpad).eval()
+        fast.load_state_dict(hf.state_dict(), strict=True)
+        ref = copy.deepcopy(hf).double()
+        ref.set_attn_implementation("eager")  # the plain math, in float64
+        return BertTrio(config, fast.to(dtype), hf.to(dtype), ref)
+
+    return make
+
+
+def _assert_matches_hf(out, out_hf, out_ref, real=None, *, dtype=None, name="output"):
+    """fastbert ``out`` vs HF ``out_hf`` (same dtype) and the float64 ``out_ref``, on ``real`` positions only.
+
+    real: bool mask over the leading dims of the outputs (e.g. the attention mask, [B, S]), or None for all.
+    """
+    dtype = dtype or out.dtype
+    atol, max_vs_hf = MODEL_TOLERANCES[dtype]
+    assert out.shape == out_hf.shape == out_ref.shape, (name, out.shape, out_hf.shape, out_ref.shape)
+    assert out.dtype == out_hf.dtype == dtype, (name, out.dtype, out_hf.dtype)
+    if real is not None:
+        real = real.bool()
+        out, out_hf, out_ref = out[real], out_hf[real], out_ref[real]
+    assert torch.isfinite(out).all(), f"{name}: fastbert output has non-finite values"
+    out, out_hf, out_ref = out.double(), out_hf.double(), out_ref.double()
+    err = (out - out_ref).abs().max().item() if out.numel() else 0.0
+    err_hf = (out_hf - out_ref).abs().max().item() if out.numel() else 0.0
+    assert err <= 2 * err_hf + atol, (
+        f"{name} ({dtype}): fastbert's error vs float64 {err:.3g} > 2 x HF's {err_hf:.3g} + {atol:g}"
+    )
+    if max_vs_hf is not None and out.numel():
+        diff = (out - out_hf).abs().max().item()
+        assert diff <= max_vs_hf, f"{name} ({dtype}): max |fastbert - HF| = {diff:.3g} > {max_vs_hf:g}"
+
+
+@pytest.fixture
+def assert_matches_hf():
+    """``assert_matches_hf(out, out_hf, out_ref, real=None, dtype=None, name=...)``: the 2x rule above."""
+    return _assert_matches_hf
+
+
+@pytest.fixture
+def input_checks_off():
+    """Range checks off for one test, back on afterwards whatever happens."""
+    before = fastbert.validation.input_checks_enabled()
+    fastbert.set_input_checks(False)
+    try:
+        yield
+    finally:
+        fastbert.set_input_checks(before)
