@@ -40,6 +40,8 @@ def info() -> dict:
         "ext_cuda": bool(ext.get("cuda")),
         "ext_cuda_version": ext.get("cuda_version"),
         "cuda_archs": list(ext.get("archs", [])),
+        "cuda_ptx": ext.get("ptx"),
+        "ext_cuda_skipped_because": ext.get("cuda_skip_reason"),
         "ext_error": ext.get("error"),
         "requested_backend": dispatch.requested_backend(),
         "triton_interpret": dispatch.triton_interpreter(),
