@@ -1,0 +1,329 @@
+"""Bidirectional multi-head self-attention, flash-attention style (online softmax, no S x S matrix in memory).
+
+Two layouts, both reading Q, K, V straight out of the fused QKV projection through strides:
+- padded: qkv [B, S, 3, H, D] with key_padding_mask [B, S] bool (True = real token) or None -> out [B, S, H, D];
+- varlen: qkv [total_tokens, 3, H, D] with cu_seqlens [B + 1] int32 and max_seqlen -> out [total_tokens, H, D].
+Scale 1/sqrt(D). A query whose keys are all masked gets zeros, never NaN.
+"""
+
+import math
+
+import torch
+
+from ._common import check_float, check_last_dim_contiguous, for_device, interpreting, tl, triton
+
+
+def attention_ref(
+    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None, upcast: bool = True
+) -> torch.Tensor:
+    """Padded layout, written out: softmax(q k^T / sqrt(D) + mask) v."""
+    dtype = qkv.dtype
+    if upcast:
+        qkv = qkv.float()
+    q, k, v = qkv.unbind(dim=2)  # each [B, S, H, D]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if key_padding_mask is not None:
+        keep = key_padding_mask[:, None, None, :]  # [B, 1, 1, S_k]
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(dtype)
+
+
+def attention_varlen_ref(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, upcast: bool = True
+) -> torch.Tensor:
+    """Varlen layout: each sequence cu_seqlens[i]:cu_seqlens[i+1] attends only to itself."""
+    out = torch.empty_like(qkv[:, 0])
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            out[start:end] = attention_ref(qkv[None, start:end], None, upcast)[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton: flash-attention forward (one kernel for both layouts; VARLEN is a constexpr flag)
+#
+# Program (b * H + h, m) computes query rows [m * BLOCK_M, (m + 1) * BLOCK_M) of head h of sequence b against all
+# keys of that sequence (batch x heads on grid axis 0, which has no 65535 limit), walking the keys in blocks of
+# BLOCK_N with the online softmax (fp32 statistics, exp2 with log2(e) folded into the scale):
+#   s_j   = (q . k_j) * log2(e) / sqrt(D)               for real keys (others: -inf)
+#   m'    = max(m, max_j s_j);   p_j = 2^(s_j - m');   alpha = 2^(m - m')
+#   l'    = l * alpha + sum_j p_j;   acc' = acc * alpha + sum_j p_j v_j
+#   out   = acc / l
+# Until a row has seen a real key, m = -inf; the exponents then use 0 instead of m' (so -inf - -inf never makes a
+# NaN), and a row with no real key at all ends with acc = 0, l = 0 and is written as zeros (l guarded to 1).
+# The head dim D is padded to BLOCK_D (a power of two, >= 16 for tl.dot) with masked loads: padded lanes are 0 in
+# q, k and v, so they add nothing to q.k and are never stored.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q,  # pointer to q of token 0, head 0: qkv's first element; K, V are the same buffer one/two "3" strides on
+    K,  # pointer to k of token 0, head 0
+    V,  # pointer to v of token 0, head 0
+    OUT,  # pointer to the output: [B, S, H, D] (padded) or [T, H, D] (varlen), contiguous
+    MASK,  # pointer to key_padding_mask [B, S], nonzero = real token (read only if HAS_MASK)
+    CU_SEQLENS,  # pointer to cu_seqlens [B + 1] int32 (read only if VARLEN)
+    stride_qkv_b,  # elements between batches of qkv (padded layout; unused when VARLEN)
+    stride_qkv_s,  # elements between tokens of qkv
+    stride_qkv_h,  # elements between heads of qkv (the head dim itself has stride 1)
+    stride_out_s,  # elements between tokens of OUT (batches are seq_len tokens apart in the padded layout)
+    stride_out_h,  # elements between heads of OUT
+    stride_mask_b,  # elements between rows of MASK
+    stride_mask_s,  # elements between tokens of MASK
+    seq_len,  # S of the padded layout (unused when VARLEN: lengths come from CU_SEQLENS)
+    num_heads,  # H
+    head_dim,  # D, the real head dim
+    qk_scale,  # log2(e) / sqrt(D)
+    HAS_MASK: tl.constexpr,  # read MASK (padded layout only)
+    VARLEN: tl.constexpr,  # packed layout with CU_SEQLENS instead of [B, S]
+    INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 operands: "ieee" or "tf32"
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per inner step
+    BLOCK_D: tl.constexpr,  # head dim padded to a power of two >= 16
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    if VARLEN:
+        start = tl.load(CU_SEQLENS + batch)
+        seq_len = tl.load(CU_SEQLENS + batch + 1) - start
+        qkv_offset = start.to(tl.int64) * stride_qkv_s
+        out_offset = start.to(tl.int64) * stride_out_s
+    else:
+        qkv_offset = batch.to(tl.int64) * stride_qkv_b
+        out_offset = batch.to(tl.int64) * seq_len * stride_out_s
+    if pid_m * BLOCK_M >= seq_len:  # the grid covers the longest sequence; shorter ones stop here
+        return
+    qkv_offset += head.to(tl.int64) * stride_qkv_h
+    out_offset += head.to(tl.int64) * stride_out_h
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    q = tl.load(
+        Q + qkv_offset + offs_m[:, None] * stride_qkv_s + offs_d[None, :],
+        mask=(offs_m < seq_len)[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    mask_row = MASK + batch.to(tl.int64) * stride_mask_b  # this sequence's key_padding_mask (if HAS_MASK)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scaled scores
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
+    for start_n in range(0, seq_len, BLOCK_N):
+        keys = start_n + offs_n
+        key_ok = keys < seq_len
+        if HAS_MASK:
+            key_ok &= tl.load(mask_row + keys * stride_mask_s, mask=key_ok, other=0) != 0
+        k_t = tl.load(
+            K + qkv_offset + keys[None, :] * stride_qkv_s + offs_d[:, None],
+            mask=key_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k_t, input_precision=INPUT_PRECISION) * qk_scale
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            V + qkv_offset + keys[:, None] * stride_qkv_s + offs_d[None, :],
+            mask=key_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        OUT + out_offset + offs_m[:, None] * stride_out_s + offs_d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=(offs_m < seq_len)[:, None] & d_ok[None, :],
+    )
+
+
+MAX_HEAD_DIM = 128
+
+
+def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Block sizes and launch options: fixed heuristics, no autotuning (it would benchmark on the first call of every
+    shape, and inside a CUDA-graph capture).
+
+    - Interpreter: 16 x 16 blocks (tl.dot's minimum): cheap programs, and short test sequences cross blocks.
+    - GPU: picked so the sm_90 build needs no register spills (checked by compiling ahead of time and reading the
+      cubin's resource usage) and fits shared memory easily; not yet timed on a GPU. 16-bit inputs: 128 query rows
+      per program (one program per head for BERT's usual 128 tokens), 64 keys per step up to D = 64, 32 above.
+      fp32 operands take twice the registers and shared memory: 64 x 32, or 32 x 32 for D > 64.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if interpreting(device):
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        block_m, block_n, num_warps = (64, 32, 8) if block_d <= 64 else (32, 32, 4)
+        num_stages = 2
+    else:
+        block_m, num_warps = 128, 8
+        block_n, num_stages = (64, 3) if block_d <= 64 else (32, 2)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
+
+
+def _cuda_fp32_matmul_allows_tf32() -> bool:
+    """Whether torch lets fp32 CUDA matmuls use TF32: ``torch.backends.cuda.matmul.fp32_precision`` (torch >= 2.9;
+    it reflects every way of setting it, ``allow_tf32`` and ``torch.set_float32_matmul_precision`` included, while
+    reading ``allow_tf32`` raises once the new API was used), else the legacy ``allow_tf32``."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return precision == "tf32"
+
+
+def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """tl.dot precision. fp32 on CUDA follows torch's setting for fp32 matmuls (default: exact "ieee" products;
+    TF32 allowed, e.g. ``torch.backends.cuda.matmul.allow_tf32 = True``: "tf32" tensor cores, ~1e-3 relative error,
+    like torch's own fp32 GEMMs then). On CPU there is no TF32, so "ieee", as torch's CPU matmul. fp16/bf16 operands
+    multiply exactly either way; they get Triton's default ("tf32", which only affects fp32 operands)."""
+    if dtype != torch.float32:
+        return "tf32"
+    if device.type == "cuda" and _cuda_fp32_matmul_allows_tf32():
+        return "tf32"
+    return "ieee"
+
+
+_QKV_LAYOUTS = {"padded": (5, "[batch, seq_len, 3, heads, head_dim]"), "varlen": (4, "[tokens, 3, heads, head_dim]")}
+
+
+def _check_qkv(qkv: torch.Tensor, layout: str) -> None:
+    ndim, shape = _QKV_LAYOUTS[layout]
+    check_float("qkv", qkv)
+    if qkv.dim() != ndim or qkv.shape[-3] != 3:
+        raise ValueError(f"qkv must be {shape}, got shape {tuple(qkv.shape)}")
+    if not 1 <= qkv.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {qkv.shape[-1]}")
+    check_last_dim_contiguous("qkv", qkv)
+
+
+def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
+    _check_qkv(qkv, "padded")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = real token), got "
+                            f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
+        if tuple(key_padding_mask.shape) != tuple(qkv.shape[:2]):
+            raise ValueError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected "
+                             f"[batch, seq_len] = {tuple(qkv.shape[:2])}")
+        if key_padding_mask.device != qkv.device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but qkv is on {qkv.device}")
+
+
+def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+    _check_qkv(qkv, "varlen")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be an int32 tensor, got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be [batch + 1], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != qkv.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but qkv is on {qkv.device}")
+    if not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+
+
+def _attention_launch(qkv, out, key_padding_mask, cu_seqlens, max_seqlen, batch, seq_len) -> torch.Tensor:
+    """The launch both layouts share; their launchers below have checked the arguments and allocated ``out``."""
+    varlen = cu_seqlens is not None
+    heads, head_dim = qkv.shape[-2], qkv.shape[-1]
+    if out.numel() == 0 or batch == 0 or max_seqlen == 0:
+        return out
+    config = _attention_config(head_dim, qkv.dtype, qkv.device)
+    q, k, v = qkv.unbind(-3)  # views: same strides, pointers one "3" stride apart
+    mask = key_padding_mask
+    grid = (batch * heads, triton.cdiv(max_seqlen, config["BLOCK_M"]))
+    for_device(_attention_fwd_kernel, qkv.device)[grid](
+        q,
+        k,
+        v,
+        out,
+        qkv if mask is None else mask,  # dummy pointers when absent: never read
+        qkv if cu_seqlens is None else cu_seqlens,
+        0 if varlen else qkv.stride(0),
+        qkv.stride(-4),
+        qkv.stride(-2),
+        out.stride(-3),
+        out.stride(-2),
+        0 if mask is None else mask.stride(0),
+        0 if mask is None else mask.stride(1),
+        seq_len,
+        heads,
+        head_dim,
+        math.log2(math.e) / math.sqrt(head_dim),
+        HAS_MASK=mask is not None,
+        VARLEN=varlen,
+        INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
+        **config,
+    )
+    return out
+
+
+def _attention_padded_launch(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    _check_attention(qkv, key_padding_mask)
+    batch, seq_len, _, heads, head_dim = qkv.shape
+    out = torch.empty((batch, seq_len, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    return _attention_launch(qkv, out, key_padding_mask, None, seq_len, batch, seq_len)
+
+
+def _attention_varlen_launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    _check_attention_varlen(qkv, cu_seqlens, max_seqlen)
+    tokens, _, heads, head_dim = qkv.shape
+    out = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    return _attention_launch(qkv, out, None, cu_seqlens, max_seqlen, cu_seqlens.shape[0] - 1, 0)
+
+
+@torch.library.custom_op("fastbert::attention", mutates_args=())
+def _attention_op(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    return _attention_padded_launch(qkv, key_padding_mask)
+
+
+@_attention_op.register_fake
+def _(qkv, key_padding_mask):
+    _check_attention(qkv, key_padding_mask)
+    batch, seq_len, _, heads, head_dim = qkv.shape
+    return qkv.new_empty((batch, seq_len, heads, head_dim))
+
+
+@torch.library.custom_op("fastbert::attention_varlen", mutates_args=())
+def _attention_varlen_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen)
+
+
+@_attention_varlen_op.register_fake
+def _(qkv, cu_seqlens, max_seqlen):
+    _check_attention_varlen(qkv, cu_seqlens, max_seqlen)
+    tokens, _, heads, head_dim = qkv.shape
+    return qkv.new_empty((tokens, heads, head_dim))
+
+
+def attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Padded layout: qkv [B, S, 3, H, D], key_padding_mask [B, S] bool (True = real token) or None
+    -> out [B, S, H, D], contiguous, qkv's dtype. Same semantics as ``attention_ref``.
+
+    qkv is read through its strides (typically ``gemm_out.view(B, S, 3, H, D)`` of the fused QKV projection
+    [B*S, 3*H*D]; only the head dim must have stride 1): no transpose copy. D <= 128, any value. Padded query rows
+    are computed too (they attend to the real keys); a row whose keys are all masked is zeros.
+    fp32 on CUDA multiplies in TF32 only where torch allows it for fp32 matmuls (``allow_tf32``/``fp32_precision``).
+    """
+    return _attention_op(qkv, key_padding_mask)
+
+
+def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """Packed layout: qkv [T, 3, H, D] (strided like ``attention``), cu_seqlens [B + 1] int32 with
+    cu_seqlens[0] = 0, cu_seqlens[-1] = T, non-decreasing (empty sequences allowed), max_seqlen >= the longest
+    sequence (not checked: that would need a device sync; rows past max_seqlen would be left unwritten)
+    -> out [T, H, D], contiguous. Same semantics as ``attention_varlen_ref``.
+    """
+    return _attention_varlen_op(qkv, cu_seqlens, max_seqlen)

@@ -1,0 +1,228 @@
+"""fastbert.kernels.attention: the flash-attention forward kernel against its PyTorch reference, both layouts.
+
+On CPU the kernels run through Triton's interpreter; ``fastbert.kernels`` picks it per launch for CPU tensors, so no
+TRITON_INTERPRET is needed (see kernels/_common.py), and with 16 x 16 blocks there, sequences of 17 and 33 tokens
+cross block boundaries. The cuda parametrization runs the compiled kernel (its own block sizes) on a GPU.
+Comparison rule (flash-attention's): fp32 within 1e-4 of the fp32 reference; fp16/bf16 error vs the fp32 reference at
+most twice that of PyTorch computing in the same dtype, plus a small atol.
+
+bf16 runs on CUDA only: under Triton 3.9's interpreter ``tl.dot`` on bf16 operands returns garbage (DESIGN.md §6);
+fp32 and fp16 dots, bf16 loads/stores and casts are right there.
+"""
+
+import pytest
+import torch
+
+from fastbert.kernels._common import compilable, compile_for_gpu
+from fastbert.kernels.attention import (
+    _attention_config,
+    _attention_fwd_kernel,
+    _attention_op,
+    _attention_varlen_op,
+    _input_precision,
+    attention,
+    attention_ref,
+    attention_varlen,
+    attention_varlen_ref,
+)
+
+ATOL = {torch.float16: 5e-4, torch.bfloat16: 4e-3}
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+          pytest.param(torch.bfloat16, id="bf16")]
+HEAD_DIMS = [16, 25, 26, 64, 80]
+HEADS = 2
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """cpu: Triton's interpreter; cuda: the compiled kernels (skipped without a GPU)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(request.param)
+
+
+def skip_bf16_on_interpreter(dtype, device):
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("bf16 tl.dot is wrong under Triton 3.9's interpreter (DESIGN.md §6): bf16 is tested on CUDA")
+
+
+def assert_close_to_ref(out, ref32, same_dtype):
+    """``out`` vs the fp32 reference ``ref32``; ``same_dtype`` is PyTorch's result in ``out``'s dtype."""
+    assert out.dtype == same_dtype.dtype and out.shape == ref32.shape
+    assert not out.isnan().any()
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
+    else:
+        bound = 2 * (same_dtype.float() - ref32).abs().max().item() + ATOL[out.dtype]
+        assert (out.float() - ref32).abs().max().item() <= bound
+
+
+def fused_qkv(tokens, head_dim, dtype, device, seed=0, pad_cols=0, scale=1.0):
+    """The fused QKV GEMM's output [tokens, 3 * H * D] (optionally inside a wider buffer), as the model has it."""
+    g = torch.Generator().manual_seed(seed)
+    width = 3 * HEADS * head_dim
+    buffer = scale * torch.randn(tokens, width + pad_cols, generator=g)
+    return buffer.to(dtype).to(device)[:, pad_cols:]
+
+
+def mixed_mask(seq_len, device):
+    """[4, S]: right padding, left padding, holes, and a sequence with no real token at all."""
+    mask = torch.ones(4, seq_len, dtype=torch.bool)
+    mask[0, (seq_len + 1) // 2:] = False
+    mask[1, : seq_len // 3] = False
+    mask[2, 1::3] = False
+    mask[3, :] = False
+    return mask.to(device)
+
+
+def check_padded(qkv, mask):
+    out = attention(qkv, mask)
+    ref32 = attention_ref(qkv.float(), mask)
+    assert_close_to_ref(out, ref32, attention_ref(qkv, mask, upcast=False))
+    assert out.shape == qkv.shape[:2] + qkv.shape[3:] and out.is_contiguous()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_len", [1, 5, 17, 33])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_attention_padded_mask(device, dtype, head_dim, seq_len):
+    """Every mask shape at once; the sequence with no real key must come out as exact zeros."""
+    skip_bf16_on_interpreter(dtype, device)
+    mask = mixed_mask(seq_len, device)
+    qkv = fused_qkv(4 * seq_len, head_dim, dtype, device).view(4, seq_len, 3, HEADS, head_dim)
+    out = check_padded(qkv, mask)
+    assert (out[3] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_len", [1, 33])
+@pytest.mark.parametrize("head_dim", [25, 64])
+def test_attention_padded_no_mask(device, dtype, head_dim, seq_len):
+    skip_bf16_on_interpreter(dtype, device)
+    qkv = fused_qkv(2 * seq_len, head_dim, dtype, device).view(2, seq_len, 3, HEADS, head_dim)
+    check_padded(qkv, None)
+
+
+def test_attention_reads_through_strides(device):
+    """qkv inside a wider GEMM buffer (row stride > 3*H*D) and a mask that is a strided view: no copies needed."""
+    seq_len, head_dim = 17, 26
+    gemm = fused_qkv(3 * seq_len, head_dim, torch.float32, device, pad_cols=40)
+    qkv = gemm.view(3, seq_len, 3, HEADS, head_dim)
+    assert qkv.stride(1) == 3 * HEADS * head_dim + 40
+    mask = mixed_mask(2 * seq_len, device)[:3, ::2]
+    check_padded(qkv, mask)
+
+
+def test_attention_large_scores(device):
+    """Scores in the hundreds: the online softmax (running max, rescaling) must not overflow."""
+    seq_len, head_dim = 33, 64
+    qkv = fused_qkv(4 * seq_len, head_dim, torch.float32, device, scale=6.0).view(4, seq_len, 3, HEADS, head_dim)
+    check_padded(qkv, mixed_mask(seq_len, device))
+
+
+def cu_seqlens_of(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 26, 80])
+@pytest.mark.parametrize("lengths", [[3, 0, 1, 17, 5], [33], [1, 1, 0]], ids=["mixed", "one", "tiny"])
+def test_attention_varlen(device, dtype, head_dim, lengths):
+    """Packed sequences, an empty one and a length-1 one included; each attends only to itself."""
+    skip_bf16_on_interpreter(dtype, device)
+    cu_seqlens = cu_seqlens_of(lengths, device)
+    qkv = fused_qkv(sum(lengths), head_dim, dtype, device).view(-1, 3, HEADS, head_dim)
+    out = attention_varlen(qkv, cu_seqlens, max(lengths))
+    ref32 = attention_varlen_ref(qkv.float(), cu_seqlens, max(lengths))
+    assert_close_to_ref(out, ref32, attention_varlen_ref(qkv, cu_seqlens, max(lengths), upcast=False))
+    assert out.shape == (sum(lengths), HEADS, head_dim) and out.is_contiguous()
+
+
+def test_attention_varlen_matches_padded(device):
+    """The same sequences packed and padded give the same rows."""
+    lengths, head_dim = [5, 17, 1], 26
+    qkv = fused_qkv(sum(lengths), head_dim, torch.float32, device).view(-1, 3, HEADS, head_dim)
+    packed = attention_varlen(qkv, cu_seqlens_of(lengths, device), max(lengths))
+    padded_qkv = torch.zeros(len(lengths), max(lengths), 3, HEADS, head_dim, device=device)
+    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.bool, device=device)
+    for i, (start, n) in enumerate(zip([0, 5, 22], lengths)):
+        padded_qkv[i, :n], mask[i, :n] = qkv[start : start + n], True
+    padded = attention(padded_qkv, mask)
+    torch.testing.assert_close(packed, padded[mask], atol=1e-6, rtol=1e-6)
+
+
+def test_attention_empty(device):
+    qkv = fused_qkv(0, 16, torch.float32, device)
+    assert attention(qkv.view(0, 5, 3, HEADS, 16)).shape == (0, 5, HEADS, 16)
+    assert attention_varlen(qkv.view(0, 3, HEADS, 16), cu_seqlens_of([0, 0], device), 0).shape == (0, HEADS, 16)
+
+
+def test_attention_fp32_precision_follows_torch_setting():
+    """fp32 on CUDA uses TF32 only where torch allows it for fp32 matmuls; the CPU interpreter always multiplies
+    exactly. (Checks the launcher's choice; no GPU needed.)"""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert _input_precision(torch.float32, cuda) == "ieee"
+        torch.set_float32_matmul_precision("high")  # = torch.backends.cuda.matmul.allow_tf32 = True
+        assert _input_precision(torch.float32, cuda) == "tf32"
+        assert _input_precision(torch.float32, cpu) == "ieee"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.skipif(not compilable(_attention_fwd_kernel), reason="TRITON_INTERPRET=1 at import")
+@pytest.mark.parametrize("dtype, precision", [(torch.float16, "tf32"), (torch.bfloat16, "tf32"),
+                                              (torch.float32, "ieee"), (torch.float32, "tf32")])
+@pytest.mark.parametrize("head_dim", [25, 128])
+def test_attention_compiles_for_h100(dtype, precision, head_dim):
+    """The compiled path, which the interpreter never exercises (early exit, loop-carried types, the constexpr
+    layouts), builds for sm_90 with the launcher's GPU block sizes and fits H100's shared memory (no GPU needed)."""
+    config = _attention_config(head_dim, dtype, torch.device("cuda"))
+    qkv, mask = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.bool)
+    cu_seqlens = torch.empty(0, dtype=torch.int32)
+    hidden = 12 * head_dim
+    for varlen in (False, True):
+        compiled = compile_for_gpu(
+            _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, cu_seqlens,
+            0 if varlen else 128 * 3 * hidden, 3 * hidden, head_dim, hidden, head_dim, 128, 1, 0 if varlen else 128, 12,
+            head_dim, 0.18, HAS_MASK=not varlen, VARLEN=varlen, INPUT_PRECISION=precision, **config,
+        )
+        assert compiled.metadata.shared <= 227 * 1024
+
+
+def test_attention_opcheck():
+    """torch.library's checks of both registered ops: schema, fake (meta) impl, autograd registration, AOT dispatch."""
+    qkv = fused_qkv(10, 16, torch.float32, "cpu")
+    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), mixed_mask(5, "cpu")[:2]))
+    torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens_of([3, 0, 7], "cpu"), 7))
+
+
+def test_attention_errors():
+    qkv = fused_qkv(10, 16, torch.float32, "cpu").view(2, 5, 3, HEADS, 16)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"qkv must be \[batch, seq_len, 3, heads, head_dim\]"):
+        attention(qkv[:, :, :2], mask)
+    with pytest.raises(ValueError, match=r"qkv must be \[batch, seq_len, 3, heads, head_dim\]"):
+        attention(qkv[0], None)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        attention(qkv.double(), mask)
+    with pytest.raises(ValueError, match=r"head_dim must be in \[1, 128\]"):
+        attention(torch.randn(1, 2, 3, 1, 160), None)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        attention(qkv.transpose(3, 4), None)
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+        attention(qkv, mask.int())
+    with pytest.raises(ValueError, match=r"key_padding_mask has shape \(2, 4\)"):
+        attention(qkv, mask[:, :4])
+    packed = qkv.view(10, 3, HEADS, 16)
+    with pytest.raises(ValueError, match=r"qkv must be \[tokens, 3, heads, head_dim\]"):
+        attention_varlen(qkv, cu_seqlens_of([5, 5], "cpu"), 5)
+    with pytest.raises(TypeError, match="cu_seqlens must be an int32 tensor"):
+        attention_varlen(packed, cu_seqlens_of([5, 5], "cpu").long(), 5)
+    with pytest.raises(ValueError, match="cu_seqlens must be \\[batch \\+ 1\\]"):
+        attention_varlen(packed, cu_seqlens_of([5, 5], "cpu")[None], 5)
+    with pytest.raises(ValueError, match="max_seqlen must be a non-negative int"):
+        attention_varlen(packed, cu_seqlens_of([5, 5], "cpu"), -1)
