@@ -46,8 +46,13 @@ def packed_layout(attention_mask: torch.Tensor) -> TokenLayout:
     keep = attention_mask.bool()
     seqlens = keep.sum(dim=1, dtype=torch.int32)  # [B]
     host_seqlens = tuple(seqlens.tolist())  # the sync: sizes the packed tensor
-    # Row-major nonzero of the flattened mask = real tokens of row 0, then row 1, ...: each row's tokens contiguous.
-    indices = torch.nonzero_static(keep.flatten(), size=sum(host_seqlens)).flatten()
+    # Real tokens in row-major order (row 0's, then row 1's, ...), without a second sync: each real token's packed
+    # row is the running count of real tokens before it; padding scatters into one spare slot, dropped after.
+    # (torch.nonzero would sync again; nonzero_static has no CUDA kernel before torch 2.6.)
+    total, flat = sum(host_seqlens), keep.flatten()
+    slot = torch.where(flat, flat.cumsum(0) - 1, total)
+    positions = torch.arange(flat.numel(), device=flat.device)
+    indices = torch.empty(total + 1, dtype=torch.long, device=flat.device).scatter_(0, slot, positions)[:total]
     cu_seqlens = F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
     return TokenLayout(batch, seq_len, indices=indices, cu_seqlens=cu_seqlens, seqlens=host_seqlens)
 
