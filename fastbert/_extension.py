@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from .kernels.embedding import check_embedding_args
+
 try:
     from . import _C
 
@@ -75,32 +77,13 @@ def _cuda_reasons(index: int) -> tuple[str, ...]:
     return (f"fastbert._C's CUDA kernels cannot run on cuda:{index}: {problem}",) if problem else ()
 
 
-def _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias):
-    """Raise TypeError/ValueError unless the arguments describe a valid call (metadata only: also fake tensors)."""
+def _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+    """The op's contract (kernels/embedding.py's ``check_embedding_args``: metadata only, fake tensors too), plus
+    what ``_C`` itself takes: int64 ids, cpu or cuda tensors, and on CPU float32 or bfloat16 only."""
+    check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     for name, ids in (("input_ids", input_ids), ("position_ids", position_ids), ("token_type_ids", token_type_ids)):
         if ids.dtype != torch.int64:
-            raise TypeError(f"{name} must be int64, got {ids.dtype}")
-        if ids.dim() != 1:
-            raise ValueError(f"{name} must be 1-D [tokens], got shape {tuple(ids.shape)}")
-    if not input_ids.shape == position_ids.shape == token_type_ids.shape:
-        raise ValueError(f"input_ids, position_ids, token_type_ids lengths differ: {input_ids.shape[0]}, "
-                         f"{position_ids.shape[0]}, {token_type_ids.shape[0]}")
-    if word.dtype not in _DTYPE_CODES:
-        raise TypeError(f"embedding tables must be float32, float16 or bfloat16, got {word.dtype}")
-    if weight.dim() != 1:
-        raise ValueError(f"weight must be 1-D [hidden], got shape {tuple(weight.shape)}")
-    hidden = weight.shape[0]
-    for name, table in (("position", position), ("token_type", token_type), ("weight", weight), ("bias", bias)):
-        if table.dtype != word.dtype:
-            raise TypeError(f"{name} is {table.dtype} but word is {word.dtype}: all tables need one dtype")
-    if bias.shape != weight.shape:
-        raise ValueError(f"bias must be [hidden={hidden}] like weight, got shape {tuple(bias.shape)}")
-    for name, table in (("word", word), ("position", position), ("token_type", token_type)):
-        if table.dim() != 2 or table.shape[1] != hidden or table.shape[0] == 0:
-            raise ValueError(f"{name} must be [rows >= 1, hidden={hidden}], got shape {tuple(table.shape)}")
-    tensors = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
-    if any(t.device != word.device for t in tensors):
-        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+            raise TypeError(f"{name} must be int64 for fastbert._C, got {ids.dtype}")
     if word.device.type not in ("cpu", "cuda"):
         raise ValueError(f"fastbert._C runs on cpu and cuda tensors, not {word.device.type}")
     if word.device.type == "cpu" and word.dtype not in _CPU_DTYPES:
@@ -120,7 +103,7 @@ def embedding_layer_norm_ext(
     eps: float,
 ) -> torch.Tensor:
     """[tokens] ids x3, tables [rows, hidden] x3, weight/bias [hidden] -> [tokens, hidden] (tables' dtype)."""
-    _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
+    _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     if _C is None:
         raise RuntimeError(_IMPORT_ERROR)
     # The kernels read raw pointers as dense row-major arrays; contiguous() is free when they already are.
@@ -140,7 +123,7 @@ def embedding_layer_norm_ext(
 
 @embedding_layer_norm_ext.register_fake
 def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
-    _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
+    _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     return word.new_empty((input_ids.shape[0], word.shape[1]))
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import calculate_settings, check_float, check_last_dim_contiguous, check_like, for_device, tl, triton
+from .layer_norm import _normalize_row
 
 
 def embedding_layer_norm_ref(
@@ -40,7 +41,7 @@ def embedding_layer_norm_ref(
 #   i = clamp(input_ids[t], 0, vocab - 1);  p = clamp(position_ids[t], 0, max_pos - 1);
 #   k = clamp(token_type_ids[t], 0, type_vocab - 1)
 #   z = word[i] + position[p] + token_type[k]
-#   y = (z - mean(z)) / sqrt(var(z) + eps) * weight + bias      (biased variance, as torch.nn.LayerNorm)
+#   y = (z - mean(z)) / sqrt(var(z) + eps) * weight + bias  (biased variance; layer_norm._normalize_row)
 # The clamp makes a bad id embed a wrong row instead of reading out of bounds; the Python layer range-checks the
 # ids before (fastbert.validation) unless the user turned the checks off.
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,20 +83,21 @@ def _embedding_layer_norm_kernel(
     z = tl.load(WORD + word_id * stride_word + cols, mask=mask, other=0.0).to(tl.float32)
     z += tl.load(POSITION + pos_id * stride_position + cols, mask=mask, other=0.0).to(tl.float32)
     z += tl.load(TOKEN_TYPE + type_id * stride_token_type + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(z, axis=0) / n_cols
-    diff = tl.where(mask, z - mean, 0.0)  # padding columns must not count in the variance
-    var = tl.sum(diff * diff, axis=0) / n_cols
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    y = diff * rstd * w + b
+    y = _normalize_row(z, W, B, cols, mask, n_cols, eps)
     tl.store(Y + token * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
-def _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+def check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+    """TypeError/ValueError unless the arguments fit the op (module docstring): int64/int32 ids of one [tokens] shape,
+    non-empty tables of one float dtype and word's hidden size, weight/bias [hidden], one device, eps >= 0.
+    Reads metadata only (fake tensors too). Both backends check this: the Triton launcher here and
+    fastbert._extension's op, each adding what its kernel needs besides."""
+    check_float("word", word)
+    if word.dim() != 2:
+        raise ValueError(f"word must be [vocab, hidden], got shape {tuple(word.shape)}")
     for name, ids in (("input_ids", input_ids), ("position_ids", position_ids), ("token_type_ids", token_type_ids)):
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(ids).__name__}")
@@ -107,22 +109,25 @@ def _check_embedding(input_ids, position_ids, token_type_ids, word, position, to
             )
         if ids.device != word.device:
             raise ValueError(f"{name} is on {ids.device} but the word table is on {word.device}")
-    check_float("word", word)
-    if word.dim() != 2:
-        raise ValueError(f"word must be [vocab, hidden], got shape {tuple(word.shape)}")
     hidden = word.shape[1]
     for name, table in (("position", position), ("token_type", token_type)):
         if not isinstance(table, torch.Tensor) or table.dim() != 2:
             raise ValueError(f"{name} must be a [rows, hidden] tensor")
         check_like(name, table, "word", word, (table.shape[0], hidden))
     for name, table in (("word", word), ("position", position), ("token_type", token_type)):
-        check_last_dim_contiguous(name, table)
         if table.shape[0] == 0:
             raise ValueError(f"the {name} table is empty")
     check_like("weight", weight, "word", word, (hidden,))
     check_like("bias", bias, "word", word, (hidden,))
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+
+
+def _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+    """The op's contract, and what this kernel needs besides: each table's rows contiguous (it reads rows by stride)."""
+    check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
+    for name, table in (("word", word), ("position", position), ("token_type", token_type)):
+        check_last_dim_contiguous(name, table)
 
 
 def _embedding_layer_norm_launch(

@@ -50,6 +50,26 @@ def layer_norm_ref(
 
 
 @triton.jit
+def _normalize_row(
+    z,  # fp32 row [BLOCK_N], 0 past n_cols (the mean sums every column)
+    W,  # pointer to the LayerNorm weight [H]
+    B,  # pointer to the LayerNorm bias [H]
+    cols,  # tl.arange(0, BLOCK_N)
+    mask,  # cols < n_cols
+    n_cols,  # H
+    eps,  # added to the variance
+):
+    """The LayerNorm of one row, in fp32 (the math above); also the end of the embedding kernel."""
+    mean = tl.sum(z, axis=0) / n_cols
+    diff = tl.where(mask, z - mean, 0.0)  # padding columns must not count in the variance
+    var = tl.sum(diff * diff, axis=0) / n_cols
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    return diff * rstd * w + b
+
+
+@triton.jit
 def _layer_norm_kernel(
     X,  # pointer to the input [n_rows, H], last dim contiguous
     RESIDUAL,  # pointer to the residual [n_rows, H], last dim contiguous (read only if HAS_RESIDUAL)
@@ -75,13 +95,7 @@ def _layer_norm_kernel(
     z = _apply_activation(z, ACTIVATION)
     if HAS_RESIDUAL:
         z += tl.load(RESIDUAL + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(z, axis=0) / n_cols
-    diff = tl.where(mask, z - mean, 0.0)  # padding columns must not count in the variance
-    var = tl.sum(diff * diff, axis=0) / n_cols
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    y = diff * rstd * w + b
+    y = _normalize_row(z, W, B, cols, mask, n_cols, eps)
     tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 

@@ -139,3 +139,27 @@ def input_checks_off():
         yield
     finally:
         fastbert.set_input_checks(before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel tests (tests/test_kernels_*.py, tests/test_embedding_ext.py): the devices they run on. A missing GPU skips
+# the test at run time, never a probe at import. Their comparison rule is in tests/kernel_checks.py.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _device_or_skip(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(name)
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """cpu: Triton's interpreter; cuda: the compiled kernels (skipped without a GPU)."""
+    return _device_or_skip(request.param)
+
+
+@pytest.fixture
+def cuda_device():
+    """The current CUDA device, for tests of GPU-only code (skipped without a GPU)."""
+    return _device_or_skip("cuda")

@@ -2,8 +2,7 @@
 
 On CPU the kernels run through Triton's interpreter; ``fastbert.kernels`` picks it per launch for CPU tensors, so no
 TRITON_INTERPRET is needed (see kernels/_common.py). The cuda parametrization runs the compiled kernel on a GPU.
-Comparison rule (flash-attention's): fp32 within 1e-5 of the fp32 reference; fp16/bf16 error vs the fp32 reference at
-most twice that of PyTorch computing in the same dtype, plus a small atol.
+Comparison rule: kernel_checks.assert_close_to_ref (flash-attention's, fp32 within 1e-5 of the fp32 reference).
 """
 
 import pytest
@@ -11,34 +10,7 @@ import torch
 
 from fastbert.kernels._common import compilable, compile_for_gpu
 from fastbert.kernels.activation import ACTIVATIONS, _bias_act_kernel, _bias_act_op, bias_act, bias_act_ref
-
-ATOL = {torch.float16: 5e-4, torch.bfloat16: 4e-3}
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.bfloat16, id="bf16")]
-
-
-@pytest.fixture(params=["cpu", "cuda"])
-def device(request):
-    """cpu: Triton's interpreter; cuda: the compiled kernels (skipped without a GPU)."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return torch.device(request.param)
-
-
-def assert_close_to_ref(out, ref32, same_dtype):
-    """``out`` vs the fp32 reference ``ref32``; ``same_dtype`` is PyTorch's result in ``out``'s dtype."""
-    assert out.dtype == same_dtype.dtype and out.shape == ref32.shape
-    err = (out.float() - ref32).abs()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref32, atol=1e-5, rtol=1e-5)
-    elif out.dtype == torch.bfloat16 and out.device.type == "cpu":
-        # Triton 3.9's interpreter casts fp32 -> bf16 by truncation (GPUs round to nearest even), so on CPU each
-        # bf16 output may be off by up to one bf16 ulp (2**-7 relative) of the exact value: checked per element.
-        ulp = torch.ldexp(torch.ones_like(ref32), torch.frexp(ref32)[1] - 8)
-        assert (err <= ulp + ATOL[out.dtype]).all(), (err - ulp).max()
-    else:
-        bound = 2 * (same_dtype.float() - ref32).abs().max().item() + ATOL[out.dtype]
-        assert err.max().item() <= bound
+from kernel_checks import DTYPES, assert_close_to_ref
 
 
 def make_inputs(n_rows, n_cols, dtype, device, seed=0):

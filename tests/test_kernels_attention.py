@@ -3,8 +3,8 @@
 On CPU the kernels run through Triton's interpreter; ``fastbert.kernels`` picks it per launch for CPU tensors, so no
 TRITON_INTERPRET is needed (see kernels/_common.py), and with 16 x 16 blocks there, sequences of 17 and 33 tokens
 cross block boundaries. The cuda parametrization runs the compiled kernel (its own block sizes) on a GPU.
-Comparison rule (flash-attention's): fp32 within 1e-4 of the fp32 reference; fp16/bf16 error vs the fp32 reference at
-most twice that of PyTorch computing in the same dtype, plus a small atol.
+Comparison rule: kernel_checks.assert_close_to_ref (flash-attention's), fp32 within FP32_TOL = 1e-4 of the fp32
+reference.
 
 bf16 runs on CUDA only: under Triton 3.9's interpreter ``tl.dot`` on bf16 operands returns garbage (DESIGN.md §6);
 fp32 and fp16 dots, bf16 loads/stores and casts are right there.
@@ -25,36 +25,16 @@ from fastbert.kernels.attention import (
     attention_varlen,
     attention_varlen_ref,
 )
+from kernel_checks import DTYPES, assert_close_to_ref
 
-ATOL = {torch.float16: 5e-4, torch.bfloat16: 4e-3}
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.bfloat16, id="bf16")]
+FP32_TOL = 1e-4
 HEAD_DIMS = [16, 25, 26, 64, 80]
 HEADS = 2
-
-
-@pytest.fixture(params=["cpu", "cuda"])
-def device(request):
-    """cpu: Triton's interpreter; cuda: the compiled kernels (skipped without a GPU)."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    return torch.device(request.param)
 
 
 def skip_bf16_on_interpreter(dtype, device):
     if dtype == torch.bfloat16 and device.type == "cpu":
         pytest.skip("bf16 tl.dot is wrong under Triton 3.9's interpreter (DESIGN.md §6): bf16 is tested on CUDA")
-
-
-def assert_close_to_ref(out, ref32, same_dtype):
-    """``out`` vs the fp32 reference ``ref32``; ``same_dtype`` is PyTorch's result in ``out``'s dtype."""
-    assert out.dtype == same_dtype.dtype and out.shape == ref32.shape
-    assert not out.isnan().any()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
-    else:
-        bound = 2 * (same_dtype.float() - ref32).abs().max().item() + ATOL[out.dtype]
-        assert (out.float() - ref32).abs().max().item() <= bound
 
 
 def fused_qkv(tokens, head_dim, dtype, device, seed=0, pad_cols=0, scale=1.0):
@@ -78,7 +58,7 @@ def mixed_mask(seq_len, device):
 def check_padded(qkv, mask):
     out = attention(qkv, mask)
     ref32 = attention_ref(qkv.float(), mask)
-    assert_close_to_ref(out, ref32, attention_ref(qkv, mask, upcast=False))
+    assert_close_to_ref(out, ref32, attention_ref(qkv, mask, upcast=False), fp32_tol=FP32_TOL)
     assert out.shape == qkv.shape[:2] + qkv.shape[3:] and out.is_contiguous()
     return out
 
@@ -135,7 +115,9 @@ def test_attention_varlen(device, dtype, head_dim, lengths):
     qkv = fused_qkv(sum(lengths), head_dim, dtype, device).view(-1, 3, HEADS, head_dim)
     out = attention_varlen(qkv, cu_seqlens, max(lengths))
     ref32 = attention_varlen_ref(qkv.float(), cu_seqlens, max(lengths))
-    assert_close_to_ref(out, ref32, attention_varlen_ref(qkv, cu_seqlens, max(lengths), upcast=False))
+    assert_close_to_ref(
+        out, ref32, attention_varlen_ref(qkv, cu_seqlens, max(lengths), upcast=False), fp32_tol=FP32_TOL
+    )
     assert out.shape == (sum(lengths), HEADS, head_dim) and out.is_contiguous()
 
 
