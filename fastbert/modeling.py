@@ -190,12 +190,14 @@ class BertEncoder(_Module):
     def __init__(self, config):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+        self.gradient_checkpointing = False  # set by HF's gradient_checkpointing_enable(), with its checkpoint function
 
     def forward(self, x: torch.Tensor, layout: padding.TokenLayout, output_hidden_states: bool = False):
         """x [N, hidden] -> (last [N, hidden], per-layer [B, S, hidden] outputs or None)."""
         hidden_states = [padding.unpack(x, layout)] if output_hidden_states else None
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layer:
-            x = layer(x, layout)
+            x = self._gradient_checkpointing_func(layer.__call__, x, layout) if checkpointing else layer(x, layout)
             if output_hidden_states:
                 hidden_states.append(padding.unpack(x, layout))
         return x, hidden_states
@@ -228,7 +230,7 @@ class BertPredictionHeadTransform(_Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         x = ops.dense_act_layer_norm(x, self.dense, self.activation, self.transform_act_fn, self.LayerNorm)
-        return x.view(*hidden_states.shape[:-1], -1)
+        return x.view(hidden_states.shape)
 
 
 class BertModel(BertPreTrainedModel):

@@ -221,6 +221,24 @@ def test_gradients_match_hf(bert_trio, assert_matches_hf, unpad, with_mask):
         assert (grads[name] - grad_hf).abs().max().item() <= 1e-4 * scale, name
 
 
+def test_gradient_checkpointing_keeps_gradients(bert_trio):
+    """HF's gradient_checkpointing_enable() recomputes each layer in backward: same loss and gradients as without."""
+    trio = bert_trio()
+    trio.fast.train()
+    input_ids, mask = right_padded(trio.config)
+    generator = torch.Generator().manual_seed(1)
+    weights = (torch.randn(int(mask.sum()), trio.config.hidden_size, generator=generator),
+               torch.randn(input_ids.shape[0], trio.config.hidden_size, generator=generator))
+    loss, grads = loss_and_grads(trio.fast, input_ids, mask, weights)
+    trio.fast.gradient_checkpointing_enable()
+    assert trio.fast.encoder.gradient_checkpointing
+    trio.fast.zero_grad()
+    loss_ckpt, grads_ckpt = loss_and_grads(trio.fast, input_ids, mask, weights)
+    torch.testing.assert_close(loss_ckpt, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_padding_idx_gets_no_gradient(bert_trio):
     """As nn.Embedding(padding_idx=pad_token_id) in HF: the pad token's row receives no gradient, even when the pad
     id appears among real tokens or no mask is given."""
