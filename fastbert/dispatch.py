@@ -87,24 +87,35 @@ _warned: set[str] = set()  # messages already shown
 
 
 def choose(op: str, tensor: torch.Tensor, needs_grad: bool = False) -> str:
-    """Backend for ``op`` on tensors like ``tensor``. Called once per op call; cheap (no device sync)."""
-    requested = requested_backend()
+    """Backend for ``op`` on tensors like ``tensor``. Called once per op call: a dict lookup after the first call
+    with the same op, device, dtype and settings (no device sync)."""
+    key = (op, tensor.device, tensor.dtype, needs_grad, requested_backend(), triton_interpreter())
+    if key not in _plans:
+        _plans[key] = _plan(*key)
+    backend, warning = _plans[key]
+    if warning:
+        _warn_once(warning)
+    return backend
+
+
+_plans: dict[tuple, tuple[str, str | None]] = {}  # choose()'s key -> (backend, warning to show once)
+
+
+def _plan(op, device, dtype, needs_grad, requested, interpreter) -> tuple[str, str | None]:
     if requested == "torch":
-        return "torch"
-    options = candidates(op, tensor.device, tensor.dtype)
+        return "torch", None
+    options = candidates(op, device, dtype)
     if requested == "triton" and options["triton"]:
         raise RuntimeError(f"{ENV_BACKEND}=triton but Triton cannot run {op} here: " + "; ".join(options["triton"]))
     best = "triton" if requested == "triton" else next(b for b, reasons in options.items() if not reasons)
     if needs_grad and best != "torch":
-        _warn_once(f"{op} runs the torch reference ops instead of {best}: gradients are required and the fused "
-                   "kernels are forward-only (same math, differentiable)")
-        return "torch"
-    if requested == "auto":
-        for backend in list(options)[: list(options).index(best)]:
-            # On CPU, skipping Triton is the design (torch ops are the fast path there), not a fallback to report.
-            if backend != "triton" or tensor.device.type == "cuda":
-                _warn_once(f"{op} is not using {backend}: {'; '.join(options[backend])}")
-    return best
+        return "torch", (f"{op} runs the torch reference ops instead of {best}: gradients are required and the fused "
+                         "kernels are forward-only (same math, differentiable)")
+    # On CPU, skipping Triton is the design (torch ops are the fast path there), not a fallback to report.
+    skipped = [b for b in list(options)[: list(options).index(best)] if b != "triton" or device.type == "cuda"]
+    if requested == "auto" and skipped:
+        return best, f"{op} is not using {skipped[0]}: {'; '.join(options[skipped[0]])}"
+    return best, None
 
 
 def _warn_once(message: str) -> None:

@@ -190,7 +190,11 @@ class BertEncoder(_Module):
     def __init__(self, config):
         super().__init__()
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
-        self.gradient_checkpointing = False  # set by HF's gradient_checkpointing_enable(), with its checkpoint function
+        self._configure(config)
+
+    def _configure(self, config):
+        # Set by HF's gradient_checkpointing_enable(), with _gradient_checkpointing_func; kept if already set.
+        self.gradient_checkpointing = getattr(self, "gradient_checkpointing", False)
 
     def forward(self, x: torch.Tensor, layout: padding.TokenLayout, output_hidden_states: bool = False):
         """x [N, hidden] -> (last [N, hidden], per-layer [B, S, hidden] outputs or None)."""
