@@ -82,17 +82,15 @@ def checked_indices(
     stacked = torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()
     if stacked.numel() == 0:
         return stacked
-    high = torch.tensor(limits, device=stacked.device)[:, None]
-    bad = ((stacked < 0) | (stacked >= high)).any(dim=1)  # [3]
-    if bool(bad.any()):  # the one host sync of the checks
-        names = ("input_ids", "token_type_ids", "position_ids")
-        tables = ("vocab_size", "type_vocab_size", "max_position_embeddings")
-        i = int(bad.nonzero()[0])
-        lo, hi = int(stacked[i].min()), int(stacked[i].max())
-        raise ValueError(
-            f"{names[i]} out of range: values span [{lo}, {hi}] but must lie in [0, {limits[i]}) "
-            f"({tables[i]}={limits[i]})"
-        )
+    low, high = torch.aminmax(stacked, dim=1)
+    spans = torch.stack([low, high], dim=1).tolist()  # the one host sync of the checks: [[min, max]] x 3
+    names = ("input_ids", "token_type_ids", "position_ids")
+    tables = ("vocab_size", "type_vocab_size", "max_position_embeddings")
+    for name, table, limit, (lo, hi) in zip(names, tables, limits, spans):
+        if lo < 0 or hi >= limit:
+            raise ValueError(
+                f"{name} out of range: values span [{lo}, {hi}] but must lie in [0, {limit}) ({table}={limit})"
+            )
     return stacked
 
 
