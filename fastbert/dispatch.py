@@ -4,7 +4,7 @@ Backends, fastest first:
 - ``cuda-ext`` / ``cpu-ext``: the ``fastbert._C`` extension (only the embedding op);
 - ``triton``: the kernels in ``fastbert.kernels`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
 - ``torch``: plain PyTorch (the reference ops, SDPA for attention). Always applies; it is also what runs when
-  autograd needs gradients, since the fused kernels are forward-only.
+  autograd needs gradients (the fused kernels are forward-only), dropout is active, or an activation has no kernel.
 
 ``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice (read at every call, so tests can switch it).
 Each backend states why it does not apply; ``fastbert.info()`` reports those reasons, and the first time a faster
@@ -86,10 +86,11 @@ def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, l
 _warned: set[str] = set()  # messages already shown
 
 
-def choose(op: str, tensor: torch.Tensor, needs_grad: bool = False) -> str:
-    """Backend for ``op`` on tensors like ``tensor``. Called once per op call: a dict lookup after the first call
-    with the same op, device, dtype and settings (no device sync)."""
-    key = (op, tensor.device, tensor.dtype, needs_grad, requested_backend(), triton_interpreter())
+def choose(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> str:
+    """Backend for ``op`` on tensors like ``tensor``. ``needs_reference`` says why this call must run the torch
+    reference ops (gradients, dropout, an activation without a kernel), if it must. Called once per op call: a dict
+    lookup after the first call with the same arguments and settings (no device sync)."""
+    key = (op, tensor.device, tensor.dtype, needs_reference, requested_backend(), triton_interpreter())
     if key not in _plans:
         _plans[key] = _plan(*key)
     backend, warning = _plans[key]
@@ -101,16 +102,15 @@ def choose(op: str, tensor: torch.Tensor, needs_grad: bool = False) -> str:
 _plans: dict[tuple, tuple[str, str | None]] = {}  # choose()'s key -> (backend, warning to show once)
 
 
-def _plan(op, device, dtype, needs_grad, requested, interpreter) -> tuple[str, str | None]:
+def _plan(op, device, dtype, needs_reference, requested, interpreter) -> tuple[str, str | None]:
     if requested == "torch":
         return "torch", None
     options = candidates(op, device, dtype)
     if requested == "triton" and options["triton"]:
         raise RuntimeError(f"{ENV_BACKEND}=triton but Triton cannot run {op} here: " + "; ".join(options["triton"]))
     best = "triton" if requested == "triton" else next(b for b, reasons in options.items() if not reasons)
-    if needs_grad and best != "torch":
-        return "torch", (f"{op} runs the torch reference ops instead of {best}: gradients are required and the fused "
-                         "kernels are forward-only (same math, differentiable)")
+    if needs_reference and best != "torch":
+        return "torch", f"{op} runs the torch reference ops instead of {best}: {needs_reference}"
     # On CPU, skipping Triton is the design (torch ops are the fast path there), not a fallback to report.
     skipped = [b for b in list(options)[: list(options).index(best)] if b != "triton" or device.type == "cuda"]
     if requested == "auto" and skipped:

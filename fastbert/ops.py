@@ -17,8 +17,19 @@ from .kernels import layer_norm as layer_norm_kernels
 from .padding import TokenLayout
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _why_reference(*tensors, dropout_p: float = 0.0) -> str | None:
+    """Why a call on ``tensors`` must run the torch reference ops instead of a fused kernel, or None."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return "gradients are required and the fused kernels are forward-only (same math, differentiable)"
+    if dropout_p > 0:
+        return "dropout is active (train mode)"
+    return None
+
+
+def _why_no_kernel(activation: str | None) -> str | None:
+    if activation in activation_kernels.ACTIVATIONS:
+        return None
+    return f"hidden_act {activation!r} has no fused kernel (HF's activation module runs)"
 
 
 def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,8 +46,11 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
     ln = embeddings.LayerNorm
     input_ids, token_type_ids, position_ids = indices.unbind(0)
     p = embeddings.dropout.p if embeddings.training else 0.0
-    backend = dispatch.choose("embedding", word, _needs_grad(word, position, token_type, ln.weight, inputs_embeds))
-    if inputs_embeds is not None or p > 0 or backend == "torch":
+    why = _why_reference(word, position, token_type, ln.weight, inputs_embeds, dropout_p=p)
+    if inputs_embeds is not None:
+        why = why or "inputs_embeds replaces the fused word-embedding lookup"
+    backend = dispatch.choose("embedding", word, why)
+    if backend == "torch":
         # Clamp like the kernels do, so that with range checks off a bad id never reads out of bounds.
         input_ids = input_ids.clamp(0, word.shape[0] - 1)
         token_type_ids = token_type_ids.clamp(0, token_type.shape[0] - 1)
@@ -58,7 +72,7 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
     tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
     head_dim = hidden // num_heads
     heads = qkv.view(tokens, 3, num_heads, head_dim)
-    backend = dispatch.choose("attention", qkv, _needs_grad(qkv) or dropout_p > 0)
+    backend = dispatch.choose("attention", qkv, _why_reference(qkv, dropout_p=dropout_p))
     # Explicit [tokens, hidden] (not -1): tokens may be 0 (an empty batch, or every row fully padded).
     if backend == "triton":
         if layout.packed:
@@ -103,8 +117,8 @@ def dense_residual_layer_norm(
 ) -> torch.Tensor:
     """LayerNorm(dropout(x @ W^T + b) + residual): BertSelfOutput and BertOutput."""
     ln = layer_norm
-    needs_grad = _needs_grad(x, dense.weight, residual, ln.weight) or dropout_p > 0
-    if dispatch.choose("layer_norm", x, needs_grad) == "triton":
+    why = _why_reference(x, dense.weight, residual, ln.weight, dropout_p=dropout_p)
+    if dispatch.choose("layer_norm", x, why) == "triton":
         # The GEMM runs without its bias; the kernel adds bias and residual and normalizes in one pass.
         return layer_norm_kernels.layer_norm(
             F.linear(x, dense.weight), ln.weight, ln.bias, ln.eps, bias=dense.bias, residual=residual
@@ -115,8 +129,8 @@ def dense_residual_layer_norm(
 
 def dense_act(x: torch.Tensor, dense: nn.Linear, activation: str, act_fn: nn.Module) -> torch.Tensor:
     """act(x @ W^T + b): BertIntermediate. ``act_fn``, HF's module, is the torch path (and any activation we lack)."""
-    needs_grad = _needs_grad(x, dense.weight)
-    if activation in activation_kernels.ACTIVATIONS and dispatch.choose("bias_act", x, needs_grad) == "triton":
+    why = _why_reference(x, dense.weight) or _why_no_kernel(activation)
+    if dispatch.choose("bias_act", x, why) == "triton":
         return activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation)
     return act_fn(F.linear(x, dense.weight, dense.bias))
 
@@ -126,9 +140,8 @@ def dense_act_layer_norm(
 ) -> torch.Tensor:
     """LayerNorm(act(x @ W^T + b)): the MLM head transform (BertPredictionHeadTransform)."""
     ln = layer_norm
-    fused = activation in activation_kernels.ACTIVATIONS
-    needs_grad = _needs_grad(x, dense.weight, ln.weight)
-    if fused and dispatch.choose("act_layer_norm", x, needs_grad) == "triton":
+    why = _why_reference(x, dense.weight, ln.weight) or _why_no_kernel(activation)
+    if dispatch.choose("act_layer_norm", x, why) == "triton":
         return layer_norm_kernels.layer_norm(
             F.linear(x, dense.weight), ln.weight, ln.bias, ln.eps, bias=dense.bias, activation=activation
         )
