@@ -84,7 +84,13 @@ def kernel_cases(dtype: torch.dtype) -> list[dict]:
     emb_bytes = tokens * (2 * hidden * size + 3 * 8)
     ref = lambda: embedding.embedding_layer_norm_ref(*args, upcast=True)  # noqa: E731
     torch_emb = lambda: F.layer_norm(tables[0][ids] + tables[1][pos] + tables[2][tt], (hidden,), w, b, 1e-12)  # noqa: E731
-    if not _extension.cuda_unavailable_reasons(ids.device):
+    ext_reasons = _extension.cuda_unavailable_reasons(ids.device)
+    if ext_reasons:
+        print("embedding (cuda-ext) not timed:", "; ".join(ext_reasons))
+    else:
+        # The CUDA kernel and its Triton fallback compute the same op: they must agree to rounding.
+        ext_vs_triton = (_extension.embedding_layer_norm(*args).float() - embedding.embedding_layer_norm(*args).float())
+        print(f"embedding: max |cuda-ext - triton| = {ext_vs_triton.abs().max().item():.3g}")
         rows.append(_case("embedding (cuda-ext)", f"{tokens}x{hidden}", emb_bytes, 8 * tokens * hidden,
                           lambda: _extension.embedding_layer_norm(*args), torch_emb, ref, 2e-2))
     rows.append(_case("embedding (triton)", f"{tokens}x{hidden}", emb_bytes, 8 * tokens * hidden,
