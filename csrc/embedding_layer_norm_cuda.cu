@@ -135,6 +135,18 @@ void launch(const EmbeddingLayerNormArgs& a, cudaStream_t stream) {
   const int hidden = static_cast<int>(a.hidden);
   const size_t shared_bytes = sizeof(float) * kWarpsPerBlock * cached_row_floats<kVec>(hidden);
   if (shared_bytes > kDefaultSharedMemoryBytes) {  // hidden > 3072: opt in to more (fails on GPUs without it)
+    // Compare with the current device's limit first: cudaFuncSetAttribute takes an int, so an absurd hidden would
+    // wrap static_cast<int>(shared_bytes) to a small value it accepts (and the launch's 32-bit size likewise),
+    // leaving the kernel to write past its shared memory; and the error below names the sizes, not just "invalid".
+    int device = 0, max_bytes = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&max_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "cudaDeviceGetAttribute");
+    if (shared_bytes > static_cast<size_t>(max_bytes)) {
+      throw std::runtime_error("fastbert embedding_layer_norm: hidden=" + std::to_string(hidden) + " needs " +
+                               std::to_string(shared_bytes) + " bytes of shared memory per block, this GPU allows " +
+                               std::to_string(max_bytes));
+    }
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)),
                "hidden size too large for this GPU's shared memory");
   }

@@ -72,7 +72,11 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
     tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
     head_dim = hidden // num_heads
     heads = qkv.view(tokens, 3, num_heads, head_dim)
-    backend = dispatch.choose("attention", qkv, _why_reference(qkv, dropout_p=dropout_p))
+    why = _why_reference(qkv, dropout_p=dropout_p)
+    if head_dim > attention_kernels.MAX_HEAD_DIM:
+        # The Triton kernel refuses D > MAX_HEAD_DIM (ValueError): such a model must take SDPA on a GPU, not crash.
+        why = why or f"head_dim {head_dim} exceeds the Triton attention kernel's {attention_kernels.MAX_HEAD_DIM}"
+    backend = dispatch.choose("attention", qkv, why)
     # Explicit [tokens, hidden] (not -1): tokens may be 0 (an empty batch, or every row fully padded).
     if backend == "triton":
         if layout.packed:

@@ -230,35 +230,57 @@ def compilable(kernel) -> bool:
 
 def compile_for_gpu(kernel, *args, arch: int = 90, num_warps: int = 4, num_stages: int = 3, **constexprs):
     """Build ``kernel`` for CUDA compute capability ``arch`` (90: H100) as a launch with these arguments would, on
-    any machine (no GPU needed). Tensors stand for pointers (only their dtype matters), ints for i32 scalars (or
-    constexprs, when equal to 1, as Triton specializes them), floats for fp32. Returns the compiled kernel, whose
+    any machine (no GPU needed). Tensors stand for pointers (their dtype, and whether ``data_ptr()`` is 16-byte
+    aligned: ``torch.empty(0)`` is), ints for i32/i64 scalars (constexprs when equal to 1, 16-divisible when they
+    are), floats for fp32: the specialization a real launch computes. Returns the compiled kernel, whose
     ``metadata.shared`` is its shared memory in bytes and ``asm["cubin"]`` the binary."""
     require_triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
 
     if not compilable(kernel):
         raise RuntimeError("TRITON_INTERPRET=1 was set when triton was imported: kernels are interpreted only here")
     names = kernel.arg_names
     if len(args) + len(constexprs) != len(names):
         raise TypeError(f"{kernel.__name__} takes {len(names)} arguments, got {len(args)} + {len(constexprs)}")
-    signature, constants = {}, dict(constexprs)
-    for name, value in zip(names, args):
-        if isinstance(value, torch.Tensor):
-            signature[name] = _POINTER_TYPES[value.dtype]
-        elif isinstance(value, bool) or (isinstance(value, int) and value == 1):
-            signature[name], constants[name] = "constexpr", value
-        elif isinstance(value, int):
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        elif isinstance(value, float):
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    signature, constants, attrs = {}, dict(constexprs), {}
+    for index, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, float):
             signature[name] = "fp32"
-        else:
+            continue
+        if not isinstance(value, (torch.Tensor, int)):
             raise TypeError(f"{name}: cannot type {value!r}")
+        # Specialize exactly as JITFunction.run does. The 16-divisibility hints matter: without them Triton emits
+        # scalar instead of vector loads and ptxas allocates registers differently, so a build without them says
+        # nothing about the spills of the kernel a GPU runs (the attention's fp32 config was picked from such a
+        # build and spilled 656 bytes per thread in the real one). Also types bool tensors as Triton does (*u1).
+        kind, spec = _specialize(backend, value)
+        signature[name] = kind
+        if kind == "constexpr":
+            constants[name] = spec
+        elif isinstance(spec, str) and spec:
+            attrs[(index,)] = backend.parse_attr(spec)
     for name in constexprs:
         signature[name] = "constexpr"
-    source = ASTSource(kernel, {name: signature[name] for name in names}, constexprs=constants)
+    source = ASTSource(kernel, {name: signature[name] for name in names}, constexprs=constants, attrs=attrs)
     return triton.compile(
         source,
-        target=GPUTarget("cuda", arch, 32),
+        target=target,
         options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=ENABLE_FP_FUSION),
     )
+
+
+def _specialize(backend, value) -> tuple:
+    """(type, specialization) of a launch argument, by Triton's own rules where this Triton exposes them."""
+    try:
+        from triton.runtime.jit import native_specialize_impl  # Triton >= 3.4
+    except ImportError:  # older Triton: the same rules, written out
+        if isinstance(value, torch.Tensor):
+            return _POINTER_TYPES[value.dtype], "D" if value.data_ptr() % 16 == 0 else ""
+        if isinstance(value, bool) or value == 1:
+            return "constexpr", value
+        return ("i32" if -(2**31) <= value < 2**31 else "i64"), "D" if value % 16 == 0 else ""
+    return native_specialize_impl(type(backend), value, False, True, True)

@@ -156,17 +156,19 @@ def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device) -
     shape, and inside a CUDA-graph capture).
 
     - Interpreter: 16 x 16 blocks (tl.dot's minimum): cheap programs, and short test sequences cross blocks.
-    - GPU: picked so the sm_90 build needs no register spills (checked by compiling ahead of time and reading the
-      cubin's resource usage) and fits shared memory easily; not yet timed on a GPU. 16-bit inputs: 128 query rows
-      per program (one program per head for BERT's usual 128 tokens), 64 keys per step up to D = 64, 32 above.
-      fp32 operands take twice the registers and shared memory: 64 x 32, or 32 x 32 for D > 64.
+    - GPU: picked so the sm_90 build needs no register spills (checked by compiling ahead of time with the
+      specialization a launch uses and reading the cubin's resource usage: tests/test_kernels_attention.py) and fits
+      shared memory easily; not yet timed on a GPU. 16-bit inputs: 128 query rows per program (one program per head
+      for BERT's usual 128 tokens), 64 keys per step up to D = 64, 32 above. fp32 operands take twice the registers
+      and shared memory: 32 x 32 with 8 warps for every D (64 x 32 spilled up to 24 bytes per thread with "ieee"
+      products, and 32 x 32 with 4 warps 656 bytes for D > 64 with a key padding mask).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if interpreting(device):
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=1, num_stages=1)
     if dtype == torch.float32:
-        block_m, block_n, num_warps = (64, 32, 8) if block_d <= 64 else (32, 32, 4)
-        num_stages = 2
+        # The one fp32 config without spills in every launch-faithful sm_90 build (D <= 128, "ieee" and "tf32").
+        block_m, block_n, num_warps, num_stages = 32, 32, 8, 2
     else:
         block_m, num_warps = 128, 8
         block_n, num_stages = (64, 3) if block_d <= 64 else (32, 2)

@@ -32,3 +32,25 @@ def assert_close_to_ref(out, ref32, same_dtype, fp32_tol=1e-5):
         assert (err <= ulp + ATOL[out.dtype]).all(), (err - ulp).max()
     else:
         assert err.max().item() <= 2 * max_error(same_dtype, ref32) + ATOL[out.dtype]
+
+
+def cubin_resources(compiled) -> tuple[int, int] | None:
+    """(registers, stack bytes) per thread of a kernel built by ``compile_for_gpu``, read from its cubin with the
+    cuobjdump Triton ships; None where that tool is missing. Stack bytes > 0 means ptxas spilled registers."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.access(tool, os.X_OK):
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return None if found is None else (int(found.group(1)), int(found.group(2)))

@@ -10,7 +10,7 @@ import torch
 
 from fastbert.kernels._common import compilable, compile_for_gpu
 from fastbert.kernels.activation import ACTIVATIONS, _bias_act_kernel, _bias_act_op, bias_act, bias_act_ref
-from kernel_checks import DTYPES, assert_close_to_ref
+from kernel_checks import DTYPES, assert_close_to_ref, cubin_resources
 
 
 def make_inputs(n_rows, n_cols, dtype, device, seed=0):
@@ -78,8 +78,9 @@ def test_bias_act_compiles_for_h100(dtype):
     """The compiled path, which the interpreter never exercises, builds for sm_90 (no GPU needed)."""
     x = torch.empty(0, dtype=dtype)
     for kind in sorted(set(ACTIVATIONS.values())):
-        compile_for_gpu(_bias_act_kernel, x, x, x, 4096, 3072, 3072, HAS_BIAS=True, ACTIVATION=kind, BLOCK_M=4,
-                        BLOCK_N=1024)
+        compiled = compile_for_gpu(_bias_act_kernel, x, x, x, 4096, 3072, 3072, HAS_BIAS=True, ACTIVATION=kind,
+                                   BLOCK_M=4, BLOCK_N=1024)
+        assert (cubin_resources(compiled) or (0, 0))[1] == 0  # no register spills
 
 
 def test_bias_act_errors():

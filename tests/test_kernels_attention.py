@@ -25,7 +25,7 @@ from fastbert.kernels.attention import (
     attention_varlen,
     attention_varlen_ref,
 )
-from kernel_checks import DTYPES, assert_close_to_ref
+from kernel_checks import DTYPES, assert_close_to_ref, cubin_resources
 
 FP32_TOL = 1e-4
 HEAD_DIMS = [16, 25, 26, 64, 80]
@@ -158,10 +158,11 @@ def test_attention_fp32_precision_follows_torch_setting():
 @pytest.mark.skipif(not compilable(_attention_fwd_kernel), reason="TRITON_INTERPRET=1 at import")
 @pytest.mark.parametrize("dtype, precision", [(torch.float16, "tf32"), (torch.bfloat16, "tf32"),
                                               (torch.float32, "ieee"), (torch.float32, "tf32")])
-@pytest.mark.parametrize("head_dim", [25, 128])
+@pytest.mark.parametrize("head_dim", [25, 64, 128])
 def test_attention_compiles_for_h100(dtype, precision, head_dim):
     """The compiled path, which the interpreter never exercises (early exit, loop-carried types, the constexpr
-    layouts), builds for sm_90 with the launcher's GPU block sizes and fits H100's shared memory (no GPU needed)."""
+    layouts), builds for sm_90 with the launcher's GPU block sizes, fits H100's shared memory and spills no
+    registers (no GPU needed; compile_for_gpu specializes like a launch, which changes register allocation)."""
     config = _attention_config(head_dim, dtype, torch.device("cuda"))
     qkv, mask = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.bool)
     cu_seqlens = torch.empty(0, dtype=torch.int32)
@@ -173,6 +174,9 @@ def test_attention_compiles_for_h100(dtype, precision, head_dim):
             head_dim, 0.18, HAS_MASK=not varlen, VARLEN=varlen, INPUT_PRECISION=precision, **config,
         )
         assert compiled.metadata.shared <= 227 * 1024
+        resources = cubin_resources(compiled)
+        if resources is not None:
+            assert resources[1] == 0, f"varlen={varlen}: {resources[0]} registers, {resources[1]} bytes of spills"
 
 
 def test_attention_opcheck():

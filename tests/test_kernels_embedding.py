@@ -15,7 +15,7 @@ from fastbert.kernels.embedding import (
     embedding_layer_norm,
     embedding_layer_norm_ref,
 )
-from kernel_checks import DTYPES, assert_close_to_ref
+from kernel_checks import DTYPES, assert_close_to_ref, cubin_resources
 
 VOCAB, MAX_POS, TYPE_VOCAB = 50, 40, 2
 
@@ -91,8 +91,13 @@ def test_embedding_compiles_for_h100(dtype):
     """The compiled path, which the interpreter never exercises, builds for sm_90 (no GPU needed)."""
     table, ids = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.int64)
     block_n, num_warps = calculate_settings(768)
-    compile_for_gpu(_embedding_layer_norm_kernel, ids, ids, ids.int(), table, table, table, table, table, table,
-                    3, 3, 3, 768, 768, 768, 30522, 512, 2, 768, 1e-12, BLOCK_N=block_n, num_warps=num_warps)
+    # type_vocab 1 (RoBERTa-likes): a launch specializes it to a constexpr, another build to check.
+    for type_vocab in (2, 1):
+        compiled = compile_for_gpu(
+            _embedding_layer_norm_kernel, ids, ids, ids.int(), table, table, table, table, table, table, 3, 3, 3,
+            768, 768, 768, 30522, 512, type_vocab, 768, 1e-12, BLOCK_N=block_n, num_warps=num_warps,
+        )
+        assert (cubin_resources(compiled) or (0, 0))[1] == 0  # no register spills
 
 
 def test_embedding_errors():

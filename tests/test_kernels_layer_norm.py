@@ -11,7 +11,7 @@ import torch
 from fastbert.kernels.activation import ACTIVATIONS
 from fastbert.kernels._common import calculate_settings, compilable, compile_for_gpu
 from fastbert.kernels.layer_norm import _layer_norm_kernel, _layer_norm_op, layer_norm, layer_norm_ref
-from kernel_checks import DTYPES, assert_close_to_ref
+from kernel_checks import DTYPES, assert_close_to_ref, cubin_resources
 
 # (has bias, has residual, activation): BertSelfOutput/BertOutput, the MLM head transform, and the other mixes.
 FUSIONS = {
@@ -112,9 +112,12 @@ def test_layer_norm_compiles_for_h100(dtype, hidden):
     x = torch.empty(0, dtype=dtype)
     block_n, num_warps = calculate_settings(hidden)
     for has_bias, has_residual, activation in FUSIONS.values():
-        compile_for_gpu(_layer_norm_kernel, x, x, x, x, x, x, hidden, hidden, hidden, 1e-12, HAS_BIAS=has_bias,
-                        HAS_RESIDUAL=has_residual, ACTIVATION="none" if activation is None else ACTIVATIONS[activation],
-                        BLOCK_N=block_n, num_warps=num_warps)
+        compiled = compile_for_gpu(
+            _layer_norm_kernel, x, x, x, x, x, x, hidden, hidden, hidden, 1e-12, HAS_BIAS=has_bias,
+            HAS_RESIDUAL=has_residual, ACTIVATION="none" if activation is None else ACTIVATIONS[activation],
+            BLOCK_N=block_n, num_warps=num_warps,
+        )
+        assert (cubin_resources(compiled) or (0, 0))[1] == 0  # no register spills
 
 
 @pytest.mark.skipif(not compilable(_layer_norm_kernel), reason="TRITON_INTERPRET=1 at import: nothing compiles here")

@@ -319,3 +319,18 @@ def test_activation_without_kernel_warns_and_matches(bert_trio, assert_matches_h
     with pytest.warns(RuntimeWarning, match="hidden_act 'silu' has no fused kernel"):
         out, out_hf, out_ref = trio.run(input_ids, token_type_ids=token_type_ids)
     assert_matches_hf(out.last_hidden_state, out_hf.last_hidden_state, out_ref.last_hidden_state)
+
+
+def test_head_dim_above_kernel_limit_falls_back_to_sdpa(bert_trio, assert_matches_hf, monkeypatch):
+    """head_dim 130 > the Triton attention's MAX_HEAD_DIM (128): on the Triton path (every CUDA run) attention takes
+    SDPA with a warning, instead of the kernel's ValueError; the other ops still run their kernels."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("FASTBERT_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    trio = bert_trio(hidden_size=260, num_attention_heads=2, intermediate_size=48)
+    input_ids, token_type_ids = random_inputs(trio.config, 2, 6)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    with pytest.warns(RuntimeWarning, match="head_dim 130 exceeds the Triton attention kernel's 128"):
+        out, out_hf, out_ref = trio.run(input_ids, attention_mask=mask, token_type_ids=token_type_ids)
+    assert_matches_hf(out.last_hidden_state, out_hf.last_hidden_state, out_ref.last_hidden_state, mask)
