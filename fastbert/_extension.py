@@ -91,7 +91,7 @@ def _check_embedding_args(input_ids, position_ids, token_type_ids, word, positio
 
 
 @torch.library.custom_op("fastbert::embedding_layer_norm_ext", mutates_args=())
-def embedding_layer_norm_ext(
+def embedding_layer_norm(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     token_type_ids: torch.Tensor,
@@ -102,7 +102,14 @@ def embedding_layer_norm_ext(
     bias: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
-    """[tokens] ids x3, tables [rows, hidden] x3, weight/bias [hidden] -> [tokens, hidden] (tables' dtype)."""
+    """``LayerNorm(word[input_ids] + position[position_ids] + token_type[token_type_ids]) * weight + bias``.
+
+    input_ids, position_ids, token_type_ids: [tokens] int64 (dense [B*S] or packed); word: [vocab, hidden],
+    position: [max_positions, hidden], token_type: [type_vocab, hidden], weight, bias: [hidden], one float dtype
+    (float32/bfloat16 on CPU, also float16 on CUDA), one device. Returns [tokens, hidden]; statistics in fp32.
+    Indices outside a table are clamped into it (callers validate ranges first). Raises TypeError/ValueError
+    before any launch when the arguments do not fit; non-contiguous inputs are copied, not refused.
+    """
     _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     if _C is None:
         raise RuntimeError(_IMPORT_ERROR)
@@ -121,20 +128,7 @@ def embedding_layer_norm_ext(
     return out
 
 
-@embedding_layer_norm_ext.register_fake
+@embedding_layer_norm.register_fake
 def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
     _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     return word.new_empty((input_ids.shape[0], word.shape[1]))
-
-
-def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
-    """``LayerNorm(word[input_ids] + position[position_ids] + token_type[token_type_ids]) * weight + bias``.
-
-    input_ids, position_ids, token_type_ids: [tokens] int64 (dense [B*S] or packed); word: [vocab, hidden],
-    position: [max_positions, hidden], token_type: [type_vocab, hidden], weight, bias: [hidden], one float dtype
-    (float32/bfloat16 on CPU, also float16 on CUDA), one device. Returns [tokens, hidden]; statistics in fp32.
-    Indices outside a table are clamped into it (callers validate ranges first). Raises TypeError/ValueError
-    before any launch when the arguments do not fit; non-contiguous inputs are copied, not refused.
-    """
-    return embedding_layer_norm_ext(input_ids, position_ids, token_type_ids, word, position, token_type, weight,
-                                    bias, float(eps))

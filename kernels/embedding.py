@@ -169,28 +169,6 @@ def _embedding_layer_norm_launch(
 
 # The C++/CUDA extension registers its own op; this one is the Triton version, hence the suffix.
 @torch.library.custom_op("fastbert::embedding_layer_norm_triton", mutates_args=())
-def _embedding_layer_norm_op(
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    token_type_ids: torch.Tensor,
-    word: torch.Tensor,
-    position: torch.Tensor,
-    token_type: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    return _embedding_layer_norm_launch(
-        input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps
-    )
-
-
-@_embedding_layer_norm_op.register_fake
-def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
-    _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
-    return word.new_empty((input_ids.shape[0], word.shape[1]))
-
-
 def embedding_layer_norm(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
@@ -210,6 +188,12 @@ def embedding_layer_norm(
     all of one float dtype. Returns a new contiguous [tokens, H] tensor in that dtype. Same semantics as
     ``embedding_layer_norm_ref(..., upcast=True)`` on in-range ids.
     """
-    return _embedding_layer_norm_op(
+    return _embedding_layer_norm_launch(
         input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps
     )
+
+
+@embedding_layer_norm.register_fake
+def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+    _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
+    return word.new_empty((input_ids.shape[0], word.shape[1]))
