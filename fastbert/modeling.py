@@ -332,10 +332,7 @@ class BertModel(BertPreTrainedModel):
         """
         if attention_mask is None or not self.unpad or torch.compiler.is_compiling() or batch * seq_len == 0:
             return padding.dense_layout(batch, seq_len, attention_mask)
-        layout = padding.packed_layout(attention_mask)
-        if all(n == seq_len for n in layout.seqlens):  # no padding: the dense path has no packing overhead
-            return padding.dense_layout(batch, seq_len, None)
-        return layout
+        return padding.unpadded_layout(attention_mask)
 
 
 def _reject_unsupported(head_mask, encoder_hidden_states, encoder_attention_mask, past_key_values, use_cache,

@@ -40,12 +40,15 @@ def dense_layout(batch: int, seq_len: int, attention_mask: torch.Tensor | None) 
     return TokenLayout(batch, seq_len, key_padding_mask=None if attention_mask is None else attention_mask.bool())
 
 
-def packed_layout(attention_mask: torch.Tensor) -> TokenLayout:
-    """attention_mask [B, S] (nonzero = real token) -> packed layout. One host sync (the sequence lengths)."""
+def unpadded_layout(attention_mask: torch.Tensor) -> TokenLayout:
+    """attention_mask [B, S] (nonzero = real token) -> the packed layout of its real tokens, or the dense layout
+    without a mask when there is no padding at all (packing would only cost). One host sync (the sequence lengths)."""
     batch, seq_len = attention_mask.shape
     keep = attention_mask.bool()
     seqlens = keep.sum(dim=1, dtype=torch.int32)  # [B]
     host_seqlens = tuple(seqlens.tolist())  # the sync: sizes the packed tensor
+    if all(n == seq_len for n in host_seqlens):
+        return dense_layout(batch, seq_len, None)
     # Real tokens in row-major order (row 0's, then row 1's, ...), without a second sync: each real token's packed
     # row is the running count of real tokens before it; padding scatters into one spare slot, dropped after.
     # (torch.nonzero would sync again; nonzero_static has no CUDA kernel before torch 2.6.)

@@ -211,7 +211,7 @@ def test_random_masks(bert_trio, assert_matches_hf, seed):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_packed_layout():
+def test_unpadded_layout():
     mask = torch.tensor([
         [1, 1, 1, 0, 0],  # right padding
         [0, 0, 0, 0, 0],  # empty row
@@ -219,15 +219,17 @@ def test_packed_layout():
         [1, 0, 1, 0, 1],  # holes
         [1, 1, 1, 1, 1],
     ])
-    layout = padding.packed_layout(mask)
+    layout = padding.unpadded_layout(mask)
     assert layout.packed and (layout.batch, layout.seq_len) == (5, 5)
     assert layout.seqlens == (3, 0, 4, 3, 5)
     assert layout.max_seqlen == 5
     assert layout.cu_seqlens.dtype == torch.int32
     assert layout.cu_seqlens.tolist() == [0, 3, 3, 7, 10, 15]
     assert layout.indices.tolist() == [0, 1, 2, 11, 12, 13, 14, 15, 17, 19, 20, 21, 22, 23, 24]
-    empty = padding.packed_layout(torch.zeros(2, 3, dtype=torch.long))
+    empty = padding.unpadded_layout(torch.zeros(2, 3, dtype=torch.long))
     assert empty.seqlens == (0, 0) and empty.cu_seqlens.tolist() == [0, 0, 0] and empty.max_seqlen == 0
+    full = padding.unpadded_layout(torch.ones(2, 3, dtype=torch.long))  # no padding: dense, no mask, no packing
+    assert not full.packed and full.key_padding_mask is None and (full.batch, full.seq_len) == (2, 3)
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.long, torch.float32])
@@ -236,7 +238,7 @@ def test_pack_unpack_round_trip(mask_dtype):
     mask = (torch.rand(6, 11, generator=generator) < 0.6).to(mask_dtype)
     mask[2] = 0
     x = torch.randn(6, 11, 7, generator=generator)
-    layout = padding.packed_layout(mask)
+    layout = padding.unpadded_layout(mask)
     packed = padding.pack(x, layout)
     real = mask.bool()
     assert torch.equal(packed, x[real])  # row-major order of the real tokens, exactly
