@@ -9,11 +9,12 @@ import importlib
 
 __version__ = "0.1.0"
 
+from .derived import clear as clear_caches  # noqa: E402
 from .modeling import BertModel  # noqa: E402
 from .optimize import optimize  # noqa: E402
 from .validation import set_input_checks  # noqa: E402
 
-__all__ = ["BertModel", "optimize", "info", "set_input_checks", "__version__"]
+__all__ = ["BertModel", "optimize", "info", "set_input_checks", "clear_caches", "__version__"]
 
 
 def __getattr__(name):

@@ -13,11 +13,10 @@ backend is skipped for a reason other than the user's own choice, a warning says
 
 import importlib.util
 import os
-import warnings
 
 import torch
 
-from . import _extension
+from . import _extension, announce
 
 OPS = ("embedding", "attention", "layer_norm", "bias_act", "act_layer_norm")
 ENV_BACKEND = "FASTBERT_BACKEND"
@@ -83,20 +82,29 @@ def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, l
     return options
 
 
-_warned: set[str] = set()  # messages already shown
-
-
 def choose(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> str:
     """Backend for ``op`` on tensors like ``tensor``. ``needs_reference`` says why this call must run the torch
     reference ops (gradients, dropout, an activation without a kernel), if it must. Called once per op call: a dict
     lookup after the first call with the same arguments and settings (no device sync)."""
+    if exporting():
+        return "torch"  # exporters trace plain torch ops: no custom op reaches an ONNX or ExportedProgram graph
     key = (op, tensor.device, tensor.dtype, needs_reference, requested_backend(), triton_interpreter())
     if key not in _plans:
         _plans[key] = _plan(*key)
     backend, warning = _plans[key]
     if warning:
-        _warn_once(warning)
+        announce.fallback(warning)
     return backend
+
+
+def exporting() -> bool:
+    """Whether the forward is being exported (``torch.export``, either ``torch.onnx.export``, ``torch.jit.trace``)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(
+        (is_exporting is not None and is_exporting())
+        or torch.jit.is_tracing()
+        or torch.onnx.is_in_onnx_export()
+    )
 
 
 _plans: dict[tuple, tuple[str, str | None]] = {}  # choose()'s key -> (backend, warning to show once)
@@ -116,13 +124,6 @@ def _plan(op, device, dtype, needs_reference, requested, interpreter) -> tuple[s
     if requested == "auto" and skipped:
         return best, f"{op} is not using {skipped[0]}: {'; '.join(options[skipped[0]])}"
     return best, None
-
-
-def _warn_once(message: str) -> None:
-    if message in _warned:
-        return
-    _warned.add(message)
-    warnings.warn(f"fastbert: {message}", RuntimeWarning, stacklevel=3)
 
 
 def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], dict[str, list[str]]]:

@@ -1,35 +1,70 @@
 """The ops of a BERT layer, each run by the backend ``dispatch.choose`` picks.
 
-Every function takes the HF modules that own the weights (``nn.Linear``, ``nn.LayerNorm``), so the model reads like
-the BERT diagram and the weights stay where HF keeps them. Activations are token-major: [tokens, features], where
-tokens is batch * seq_len (dense) or the number of real tokens (packed, see ``padding.py``).
+Every function takes the HF modules that own the weights (``nn.Linear``, ``nn.LayerNorm``, ``nn.Dropout``, the
+activation), so the model reads like the BERT diagram and the weights stay where HF keeps them. Activations are
+token-major: [tokens, features], where tokens is batch * seq_len (dense) or the number of real tokens (packed, see
+``padding.py``).
+
+The torch backend calls the modules, exactly as HF does. A fused backend reads a module's weights only when the
+module is plain (``plain.is_plain``); a wrapped one (LoRA, hooks, offload, quantization) is called and the kernel
+fuses what remains around it.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _extension, dispatch
+from . import _extension, derived, dispatch
 from .kernels import activation as activation_kernels
 from .kernels import attention as attention_kernels
 from .kernels import embedding as embedding_kernels
 from .kernels import layer_norm as layer_norm_kernels
 from .padding import TokenLayout
+from .plain import has_hooks, is_plain
 
 
 def _why_reference(*tensors, dropout_p: float = 0.0) -> str | None:
     """Why a call on ``tensors`` must run the torch reference ops instead of a fused kernel, or None."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return "gradients are required and the fused kernels are forward-only (same math, differentiable)"
+    # (isinstance: a quantized module's ``weight`` is a method, an offloaded one's may be missing)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        return ("gradients are required and the fused kernels are forward-only (same math, differentiable); "
+                "for inference wrap the call in torch.inference_mode()")
     if dropout_p > 0:
         return "dropout is active (train mode)"
     return None
 
 
-def _why_no_kernel(activation: str | None) -> str | None:
-    if activation in activation_kernels.ACTIVATIONS:
-        return None
-    return f"hidden_act {activation!r} has no fused kernel (HF's activation module runs)"
+# The activation modules transformers builds for each ``hidden_act`` we fuse, by type: the kernel name follows the
+# module the model actually holds, not the config it was built from.
+def _fused_activations() -> dict[type, str]:
+    from transformers.activations import ACT2FN
+
+    return {type(ACT2FN[name]): name for name in activation_kernels.ACTIVATIONS}
+
+
+_ACTIVATION_NAMES = _fused_activations()
+
+
+def fused_activation(act_fn: nn.Module) -> str | None:
+    """The kernels' name for the activation module ``act_fn``, or None when it has no kernel (or hooks)."""
+    name = _ACTIVATION_NAMES.get(type(act_fn))
+    return None if name is None or has_hooks(act_fn) else name
+
+
+def _why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> str | None:
+    """Why the fused kernel cannot read these modules' weights (the first one that is not plain), or None."""
+    for name, (module, cls) in modules.items():
+        if not is_plain(module, cls, device):
+            return (f"{name} is a {type(module).__name__} with hooks, a wrapper or parameters elsewhere than the "
+                    "input, so it is called as a module (as HF does)")
+    return None
+
+
+def linear(x: torch.Tensor, dense: nn.Module) -> torch.Tensor:
+    """``dense(x)``: F.linear on a plain nn.Linear (no module-call overhead), otherwise the module itself."""
+    if is_plain(dense, nn.Linear, x.device):
+        return F.linear(x, getattr(dense, "weight", None), dense.bias)
+    return dense(x)
 
 
 def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,30 +73,61 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
     indices: [3, tokens] int64 (word, token type, position), range-checked by ``validation.flat_indices``.
     inputs_embeds: [tokens, hidden] replaces the word lookup when given (then indices[0] is ignored).
     """
-    word, position, token_type = (
-        embeddings.word_embeddings.weight,
-        embeddings.position_embeddings.weight,
-        embeddings.token_type_embeddings.weight,
+    word_embeddings, position_embeddings, token_type_embeddings = (
+        embeddings.word_embeddings, embeddings.position_embeddings, embeddings.token_type_embeddings
     )
+    word, position, token_type = word_embeddings.weight, position_embeddings.weight, token_type_embeddings.weight
     ln = embeddings.LayerNorm
     input_ids, token_type_ids, position_ids = indices.unbind(0)
     p = embeddings.dropout.p if embeddings.training else 0.0
     why = _why_reference(word, position, token_type, ln.weight, inputs_embeds, dropout_p=p)
     if inputs_embeds is not None:
         why = why or "inputs_embeds replaces the fused word-embedding lookup"
+    why = why or _why_not_plain(
+        indices.device,
+        word_embeddings=(word_embeddings, nn.Embedding),
+        position_embeddings=(position_embeddings, nn.Embedding),
+        token_type_embeddings=(token_type_embeddings, nn.Embedding),
+        LayerNorm=(ln, nn.LayerNorm),
+    )
     backend = dispatch.choose("embedding", word, why)
     if backend == "torch":
         # Clamp like the kernels do, so that with range checks off a bad id never reads out of bounds.
         input_ids = input_ids.clamp(0, word.shape[0] - 1)
         token_type_ids = token_type_ids.clamp(0, token_type.shape[0] - 1)
         position_ids = position_ids.clamp(0, position.shape[0] - 1)
-        # F.embedding with padding_idx, as HF's nn.Embedding: the pad token's row gets no gradient.
-        pad = embeddings.word_embeddings.padding_idx
-        words = F.embedding(input_ids, word, pad) if inputs_embeds is None else inputs_embeds
-        x = words + token_type[token_type_ids] + position[position_ids]
-        return F.dropout(F.layer_norm(x, x.shape[-1:], ln.weight, ln.bias, ln.eps), p, embeddings.training)
+        # The modules themselves, in HF's order: hooks, wrappers and padding_idx's missing gradient as in HF.
+        words = word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        x = words + token_type_embeddings(token_type_ids)
+        x = x + position_embeddings(position_ids)
+        return embeddings.dropout(ln(x))
     fused = _extension.embedding_layer_norm if backend.endswith("-ext") else embedding_kernels.embedding_layer_norm
     return fused(input_ids, position_ids, token_type_ids, word, position, token_type, ln.weight, ln.bias, ln.eps)
+
+
+def qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """[tokens, hidden] -> [tokens, 3 * hidden]: q, k, v side by side.
+
+    Plain projections run as one GEMM on their weights stacked [3 * hidden, hidden]. Without gradients the stacked
+    weight is a cache derived from the six parameters (``derived.cached``: rebuilt when any changes, never written
+    into them); with gradients it is concatenated per call so gradients reach HF's parameters. Wrapped projections
+    (LoRA, hooks) are called as modules.
+    """
+    if not all(is_plain(m, nn.Linear, x.device) for m in (query, key, value)):
+        return torch.cat([query(x), key(x), value(x)], dim=-1)
+    params = (query.weight, key.weight, value.weight, query.bias, key.bias, value.bias)
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP) where no
+        # version counter sees it, so the inference cache goes.
+        derived.discard(query, "qkv")
+        weight, bias = torch.cat(params[:3]), torch.cat(params[3:])
+    else:
+        weight, bias = derived.cached(query, "qkv", params, _stack_qkv)
+    return F.linear(x, weight, bias)
+
+
+def _stack_qkv(wq, wk, wv, bq, bk, bv) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv])
 
 
 def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0) -> torch.Tensor:
@@ -117,37 +183,47 @@ def _attention_varlen_sdpa(heads: torch.Tensor, seqlens: tuple[int, ...], dropou
 
 
 def dense_residual_layer_norm(
-    x: torch.Tensor, dense: nn.Linear, residual: torch.Tensor, layer_norm: nn.LayerNorm, dropout_p: float = 0.0
+    x: torch.Tensor, residual: torch.Tensor, dense: nn.Module, dropout: nn.Module, layer_norm: nn.Module
 ) -> torch.Tensor:
-    """LayerNorm(dropout(x @ W^T + b) + residual): BertSelfOutput and BertOutput."""
-    ln = layer_norm
-    why = _why_reference(x, dense.weight, residual, ln.weight, dropout_p=dropout_p)
+    """LayerNorm(dropout(dense(x)) + residual): BertSelfOutput and BertOutput."""
+    p = dropout.p if dropout.training else 0.0
+    why = _why_reference(x, getattr(dense, "weight", None), residual, getattr(layer_norm, "weight", None), dropout_p=p)
+    why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     if dispatch.choose("layer_norm", x, why) == "triton":
-        # The GEMM runs without its bias; the kernel adds bias and residual and normalizes in one pass.
-        return layer_norm_kernels.layer_norm(
-            F.linear(x, dense.weight), ln.weight, ln.bias, ln.eps, bias=dense.bias, residual=residual
-        )
-    h = F.dropout(F.linear(x, dense.weight, dense.bias), dropout_p, training=dropout_p > 0)
-    return F.layer_norm(h + residual, h.shape[-1:], ln.weight, ln.bias, ln.eps)
+        # A plain dense runs its GEMM without the bias, and the kernel adds bias and residual and normalizes in one
+        # pass; a wrapped dense is called, and the kernel adds the residual and normalizes.
+        plain_dense = is_plain(dense, nn.Linear, x.device)
+        h, bias = (F.linear(x, dense.weight), dense.bias) if plain_dense else (dense(x), None)
+        ln = layer_norm
+        return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=bias, residual=residual)
+    return layer_norm(dropout(linear(x, dense)) + residual)
 
 
-def dense_act(x: torch.Tensor, dense: nn.Linear, activation: str, act_fn: nn.Module) -> torch.Tensor:
-    """act(x @ W^T + b): BertIntermediate. ``act_fn``, HF's module, is the torch path (and any activation we lack)."""
-    why = _why_reference(x, dense.weight) or _why_no_kernel(activation)
+def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Tensor:
+    """act(dense(x)): BertIntermediate. ``act_fn`` is HF's activation module."""
+    activation = fused_activation(act_fn)
+    why = _why_reference(x, getattr(dense, "weight", None)) or _why_no_kernel(act_fn, activation)
     if dispatch.choose("bias_act", x, why) == "triton":
-        return activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation)
-    return act_fn(F.linear(x, dense.weight, dense.bias))
+        if is_plain(dense, nn.Linear, x.device):
+            return activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation)
+        return activation_kernels.bias_act(dense(x), None, activation)
+    return act_fn(linear(x, dense))
 
 
-def dense_act_layer_norm(
-    x: torch.Tensor, dense: nn.Linear, activation: str, act_fn: nn.Module, layer_norm: nn.LayerNorm
-) -> torch.Tensor:
-    """LayerNorm(act(x @ W^T + b)): the MLM head transform (BertPredictionHeadTransform)."""
-    ln = layer_norm
-    why = _why_reference(x, dense.weight, ln.weight) or _why_no_kernel(activation)
+def dense_act_layer_norm(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module, layer_norm: nn.Module) -> torch.Tensor:
+    """LayerNorm(act(dense(x))): the MLM head transform (BertPredictionHeadTransform)."""
+    activation = fused_activation(act_fn)
+    why = _why_reference(x, getattr(dense, "weight", None), layer_norm.weight) or _why_no_kernel(act_fn, activation)
+    why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     if dispatch.choose("act_layer_norm", x, why) == "triton":
-        return layer_norm_kernels.layer_norm(
-            F.linear(x, dense.weight), ln.weight, ln.bias, ln.eps, bias=dense.bias, activation=activation
-        )
-    h = act_fn(F.linear(x, dense.weight, dense.bias))
-    return F.layer_norm(h, h.shape[-1:], ln.weight, ln.bias, ln.eps)
+        ln = layer_norm
+        plain_dense = is_plain(dense, nn.Linear, x.device)
+        h, bias = (F.linear(x, dense.weight), dense.bias) if plain_dense else (dense(x), None)
+        return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=bias, activation=activation)
+    return layer_norm(act_fn(linear(x, dense)))
+
+
+def _why_no_kernel(act_fn: nn.Module, activation: str | None) -> str | None:
+    if activation is not None:
+        return None
+    return f"activation {type(act_fn).__name__} has no fused kernel (HF's activation module runs)"

@@ -1,60 +1,64 @@
 """``fastbert.optimize(model)``: turn every HF BERT encoder inside a model into fastbert's, in place.
 
-The swap is by class: fastbert's modules keep HF's children and parameter names, so each HF module becomes ours by
-setting its ``__class__`` and calling ``_configure(config)`` for the little state ours derive from the config. No
-parameter is copied or re-created: optimizers, tied weights and device placement stay valid, and the object the
-caller holds is the one that gets faster.
+fastbert's classes are transformers' classes with a fused mixin (``layers.py``), so an HF module becomes ours by
+setting its ``__class__`` (and ``_configure`` for the little state ours add). No parameter is copied or re-created:
+optimizers, tied weights, device placement and PEFT wrappers stay valid, and the object the caller holds is the one
+that gets faster. An encoder whose configuration fastbert does not accelerate (decoder, cross-attention, relative
+positions) is left as transformers' and announced.
 """
 
+import logging
+import warnings
+
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.models.bert import modeling_bert as hf
 
-from . import modeling
+from . import announce, modeling
 
-# HF class -> ours. HF's own subclasses (e.g. attention-implementation variants in older transformers) match too.
-_SWAPS = [
-    (hf.BertModel, modeling.BertModel),
-    (hf.BertEmbeddings, modeling.BertEmbeddings),
-    (hf.BertEncoder, modeling.BertEncoder),
-    (hf.BertLayer, modeling.BertLayer),
-    (hf.BertAttention, modeling.BertAttention),
-    (hf.BertSelfAttention, modeling.BertSelfAttention),
-    (hf.BertSelfOutput, modeling.BertSelfOutput),
-    (hf.BertIntermediate, modeling.BertIntermediate),
-    (hf.BertOutput, modeling.BertOutput),
-    (hf.BertPooler, modeling.BertPooler),
-]
+logger = logging.getLogger("fastbert")
 
 
 def optimize(model: nn.Module) -> nn.Module:
-    """Swap every ``transformers.BertModel`` in ``model`` (and MLM head transforms) for fastbert's; returns ``model``.
+    """Accelerate every ``transformers.BertModel`` inside ``model`` (and MLM head transforms); returns ``model``.
 
-    Works on BertForSequenceClassification, BertForMaskedLM, BertForTokenClassification, sentence-transformers
-    models, or a bare BertModel. Weights are shared, outputs unchanged (up to kernel rounding). Raises
-    NotImplementedError, before changing anything, for configurations fastbert does not support (decoders,
-    cross-attention, relative position embeddings).
+    Works on BertFor* heads, sentence-transformers models, PEFT models, or a bare BertModel. Weights are shared,
+    outputs unchanged (up to kernel rounding; zeros at padding positions, see the README). What was swapped is
+    logged on the ``fastbert`` logger; finding nothing to accelerate is warned, naming the classes seen.
     """
-    encoders = [m for m in model.modules() if isinstance(m, hf.BertModel)]
-    for encoder in encoders:
-        modeling.check_supported(encoder.config)
-    for encoder in encoders:
-        for module in list(encoder.modules()):
-            _swap(module, encoder.config)
-    config = getattr(model, "config", encoders[0].config if encoders else None)
-    if config is not None:
-        for module in model.modules():
-            if type(module) is hf.BertPredictionHeadTransform:
-                _become(module, modeling.BertPredictionHeadTransform, config)
+    accelerated, left = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, hf.BertModel):
+            continue
+        label = name or type(model).__name__
+        why = modeling.why_not_accelerated(module.config)
+        if why or type(module) not in (hf.BertModel, modeling.BertModel):
+            reason = why or f"{type(module).__name__} is a subclass of BertModel fastbert does not know"
+            left.append(label)
+            announce.fallback(f"optimize left {label} as transformers' BertModel: {reason} is not accelerated")
+            continue
+        if type(module) is hf.BertModel:
+            module.__class__ = modeling.BertModel
+            module._configure(module.config)
+        modeling.fuse_children(module, modeling.FUSED_CLASSES)
+        accelerated.append(label)
+    transforms = [m for m in model.modules() if type(m) is hf.BertPredictionHeadTransform]
+    for module in transforms:
+        module.__class__ = modeling.BertPredictionHeadTransform
+    if accelerated or transforms:
+        logger.info("fastbert.optimize: accelerated %s%s", ", ".join(accelerated) or "no encoder",
+                    f" and {len(transforms)} MLM head transform(s)" if transforms else "")
+    elif not left:
+        warnings.warn(
+            f"fastbert.optimize found no BERT encoder to accelerate in {type(model).__name__} (it contains "
+            f"{', '.join(_model_classes(model))}); the model is unchanged",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return model
 
 
-def _swap(module: nn.Module, config) -> None:
-    for hf_class, ours in _SWAPS:
-        if isinstance(module, hf_class) and not isinstance(module, ours):
-            _become(module, ours, config)
-            return
-
-
-def _become(module: nn.Module, ours: type, config) -> None:
-    module.__class__ = ours
-    module._configure(config)
+def _model_classes(model: nn.Module) -> list[str]:
+    """The classes a user would recognize in ``model``: its transformers models, else its direct children."""
+    named = sorted({type(m).__name__ for m in model.modules() if isinstance(m, PreTrainedModel)})
+    return named or sorted({type(m).__name__ for m in model.children()}) or [type(model).__name__]

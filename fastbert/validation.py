@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from . import dispatch
+
 _checks_enabled = os.environ.get("FASTBERT_CHECK_INPUTS", "1") not in ("0", "false", "False")
 
 
@@ -27,8 +29,28 @@ def input_checks_enabled() -> bool:
     return _checks_enabled
 
 
-def check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> tuple[int, int]:
-    """Metadata-only checks; returns (batch, seq_len)."""
+def check_inputs(
+    config, weight: torch.Tensor, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
+) -> tuple[int, int]:
+    """Metadata-only checks of the forward's inputs against the model (``weight``: its word embedding); returns
+    (batch, seq_len). Each error names the argument."""
+    named = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                 position_ids=position_ids, inputs_embeds=inputs_embeds)
+    for name, value in named.items():
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.device != weight.device:
+            raise ValueError(f"{name} is on {value.device} but the model's weights are on {weight.device}: move "
+                             "the inputs (or the model) to one device")
+    batch, seq_len = _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    if inputs_embeds is not None and inputs_embeds.dtype != weight.dtype:
+        raise TypeError(f"inputs_embeds is {inputs_embeds.dtype} but the model is {weight.dtype}")
+    return batch, seq_len
+
+
+def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> tuple[int, int]:
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     if input_ids is not None:
@@ -70,8 +92,9 @@ def check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids
 
 
 def _check_integer(name: str, t: torch.Tensor) -> None:
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    # The index dtypes torch's embedding lookups take (transformers accepts the same).
+    if t.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must be an integer tensor of dtype torch.int64 (or torch.int32), got {t.dtype}")
 
 
 @torch.library.custom_op("fastbert::checked_indices", mutates_args=())
@@ -100,7 +123,11 @@ def _(input_ids, token_type_ids, position_ids, limits):
 
 
 def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int]) -> torch.Tensor:
-    """The [3, B*S] int64 index tensor, range-checked unless checks are off."""
-    if _checks_enabled:
+    """The [3, B*S] int64 index tensor, range-checked unless checks are off.
+
+    Not checked where the data cannot be read: while exporting (the exported graph has no data; the kernels and
+    torch ops clamp), or on the meta device.
+    """
+    if _checks_enabled and input_ids.device.type != "meta" and not dispatch.exporting():
         return checked_indices(input_ids, token_type_ids, position_ids, limits)
     return torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()
