@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from . import __version__, _extension, dispatch, validation
+from . import __version__, _extension, announce, dispatch, validation
 
 
 def _version(package: str) -> str | None:
@@ -48,6 +48,9 @@ def info() -> dict:
         "input_checks": validation.input_checks_enabled(),
         "backends": backends,
         "reasons": reasons,
+        # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,
+        # options run by transformers' implementation, wrapped modules called as modules.
+        "fallbacks": announce.seen(),
     }
 
 
