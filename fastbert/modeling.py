@@ -249,25 +249,33 @@ def _selected_states(output_hidden_states, num_layers: int) -> set[int] | None:
 
 def _hooked_container(model) -> str | None:
     """A reason when calling ``fused`` would skip something: a hook on a container module (its ``forward`` would
-    not run), a global hook, or a module replaced by one that is not fastbert's."""
+    not run), a global hook, or a module replaced by one that is not fastbert's. Reads ``_modules`` directly: this
+    runs every forward (~0.5 µs per module)."""
     if plain.global_hooks():
         return "a global module hook"
-    for name, module, fused_class in _containers(model):
+    encoder = model._modules["encoder"]
+    checks = [("embeddings", model._modules["embeddings"], layers.FusedEmbeddings), ("encoder", encoder, layers.FusedEncoder)]
+    for i, layer in enumerate(encoder._modules["layer"]._modules.values()):
+        if not isinstance(layer, layers.FusedLayer):
+            checks.append((f"encoder.layer.{i}", layer, layers.FusedLayer))
+            break
+        attention = layer._modules["attention"]
+        checks += [(i, layer, layers.FusedLayer), (i, attention, layers.FusedAttention),
+                   (i, attention._modules["self"], layers.FusedSelfAttention),
+                   (i, attention._modules["output"], layers.FusedDenseResidualLayerNorm),
+                   (i, layer._modules["intermediate"], layers.FusedIntermediate),
+                   (i, layer._modules["output"], layers.FusedDenseResidualLayerNorm)]
+    for name, module, fused_class in checks:
         if not isinstance(module, fused_class):
-            return f"{name} being a {type(module).__name__}"
-        if plain.has_hooks(module):
-            return f"a hook on {name}"
+            return f"{_name(model, name, module)} being a {type(module).__name__}"
+        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+                or "forward" in module.__dict__) and plain.has_hooks(module):
+            return f"a hook on {_name(model, name, module)}"
     return None
 
 
-def _containers(model):
-    """(name, module, the fused class it must be) of the modules whose ``forward`` the fused path replaces."""
-    yield "embeddings", model.embeddings, layers.FusedEmbeddings
-    yield "encoder", model.encoder, layers.FusedEncoder
-    for i, layer in enumerate(model.encoder.layer):
-        yield f"encoder.layer[{i}]", layer, layers.FusedLayer
-        yield f"encoder.layer[{i}].attention", layer.attention, layers.FusedAttention
-        yield f"encoder.layer[{i}].attention.self", layer.attention.self, layers.FusedSelfAttention
-        yield f"encoder.layer[{i}].attention.output", layer.attention.output, layers.FusedDenseResidualLayerNorm
-        yield f"encoder.layer[{i}].intermediate", layer.intermediate, layers.FusedIntermediate
-        yield f"encoder.layer[{i}].output", layer.output, layers.FusedDenseResidualLayerNorm
+def _name(model, name, module) -> str:
+    """The dotted name of ``module`` (``name`` is a layer index for the modules inside a layer)."""
+    if isinstance(name, str):
+        return name
+    return next(n for n, m in model.named_modules() if m is module)
