@@ -20,6 +20,7 @@ fastbert does not accelerate runs transformers' own code on the same modules.
 import inspect
 
 import torch
+import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 from transformers.models.bert import modeling_bert as hf
 
@@ -74,10 +75,17 @@ FUSED_CLASSES = {
     hf.BertLayer: BertLayer,
     hf.BertEncoder: BertEncoder,
 }
-# transformers 4.x picks a self-attention subclass per attention implementation; each is the same math.
+# transformers 4.x picks a self-attention subclass per attention implementation, and its BertModel.forward builds the
+# mask for that class (sdpa: causality from ``is_causal``), so each keeps its own class under the fused mixin.
 for _name in ("BertSdpaSelfAttention", "BertFlashAttention2"):
     if hasattr(hf, _name):
-        FUSED_CLASSES[getattr(hf, _name)] = BertSelfAttention
+        FUSED_CLASSES[getattr(hf, _name)] = type(
+            _name, (layers.FusedSelfAttention, getattr(hf, _name)), {"__module__": __name__}
+        )
+        globals()[_name] = FUSED_CLASSES[getattr(hf, _name)]  # picklable by name
+
+# transformers 5 drops None from tuple outputs; 4.x keeps the pooler's slot (heads index outputs[2:]).
+_TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
 
 
 def why_not_accelerated(config) -> str | None:
@@ -122,7 +130,8 @@ class BertModel(hf.BertModel):
 
     def __init__(self, config, add_pooling_layer: bool = True, unpad: bool = True):
         super().__init__(config, add_pooling_layer=add_pooling_layer)
-        fuse_children(self, FUSED_CLASSES)
+        if why_not_accelerated(config) is None:  # as optimize() does: anything else keeps transformers' modules
+            fuse_children(self, FUSED_CLASSES)
         self._configure(config, unpad)
 
     def _configure(self, config, unpad: bool = True):
@@ -181,7 +190,11 @@ class BertModel(hf.BertModel):
         out = BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=sequence_output, pooler_output=pooled_output, hidden_states=hidden_states
         )
-        return out if _flag(kwargs, "return_dict", config, default=True) else out.to_tuple()
+        if _flag(kwargs, "return_dict", config, default=True):
+            return out
+        if _TRANSFORMERS_4:
+            return (sequence_output, pooled_output) + ((hidden_states,) if hidden_states is not None else ())
+        return out.to_tuple()
 
     def _why_transformers(self, attention_mask, kwargs) -> str | None:
         """Why this call must run transformers' implementation instead of the fused one, or None."""
@@ -194,8 +207,8 @@ class BertModel(hf.BertModel):
                         and name != "output_attentions" and v is not None)
         if given:
             return "the argument " + ", ".join(given)
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-            return "a 4-D attention_mask"
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() in (3, 4):
+            return f"a {attention_mask.dim()}-D attention_mask"
         return _hooked_container(self)
 
     def _layout(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> padding.TokenLayout:
@@ -240,6 +253,8 @@ def _selected_states(output_hidden_states, num_layers: int) -> set[int] | None:
     """
     if output_hidden_states is None or output_hidden_states is False:
         return None
+    if _TRANSFORMERS_4:  # a flag: any truthy value means all
+        return set(range(num_layers + 1)) if output_hidden_states else None
     if output_hidden_states is True:
         return set(range(num_layers + 1))
     selected = [output_hidden_states] if isinstance(output_hidden_states, int) else list(output_hidden_states)

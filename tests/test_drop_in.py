@@ -483,3 +483,18 @@ def test_threads_forwards_with_concurrent_updates(small_bert_config):
         with torch.no_grad():
             expected = hf(ids, attention_mask=mask).last_hidden_state
         _assert_same(out, expected, mask)
+
+
+def test_three_dimensional_mask_runs_transformers(small_bert_config):
+    hf, fast = _pair(small_bert_config)
+    input_ids, mask = right_padded(hf.config)
+    mask3d = mask[:, None, :].expand(-1, mask.shape[1], -1).clone()  # [B, S, S]
+    with torch.no_grad():
+        try:
+            out_hf = hf(input_ids, attention_mask=mask3d)
+        except Exception as error:  # noqa: BLE001 - whatever transformers does, fastbert does the same
+            with pytest.raises(type(error)):
+                fast(input_ids, attention_mask=mask3d)
+            return
+        out = fast(input_ids, attention_mask=mask3d)
+    torch.testing.assert_close(out.last_hidden_state, out_hf.last_hidden_state, rtol=0, atol=0)
