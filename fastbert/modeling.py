@@ -196,6 +196,9 @@ class BertModel(hf.BertModel):
             return (sequence_output, pooled_output) + ((hidden_states,) if hidden_states is not None else ())
         return out.to_tuple()
 
+    # transformers' tests and tools read the forward's signature (which inputs a model takes): show HF's.
+    forward.__signature__ = inspect.signature(hf.BertModel.forward)
+
     def _why_transformers(self, attention_mask, kwargs) -> str | None:
         """Why this call must run transformers' implementation instead of the fused one, or None."""
         if self._config_not_accelerated:
