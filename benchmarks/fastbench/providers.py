@@ -1,0 +1,163 @@
+"""What is timed: each provider turns a ``ModelSet`` into a forward ``inputs -> output with .last_hidden_state``.
+
+To add one, append a ``Provider`` to ``PROVIDERS``. ``build`` raises ``Unavailable`` (with the reason) where it cannot
+run for a model or dtype: the run reports that and goes on with the others. ``missing`` says why it cannot run in this
+environment at all (a package not installed, an API fastbert does not have yet). Every provider but the baseline is
+checked against hf-sdpa on real tokens before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .models import ModelSet, is_fastbert
+
+Forward = Callable[[dict], object]  # inputs (input_ids, attention_mask) -> model output with .last_hidden_state
+Log = Callable[[str], None]
+BASELINE = "hf-sdpa"
+
+
+class Unavailable(Exception):
+    """The provider cannot run for this model, dtype or device; the message says why (the run goes on)."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    help: str
+    devices: tuple[str, ...]  # devices it runs on
+    default_on: tuple[str, ...]  # devices where it is in the default --providers
+    build: Callable[[ModelSet, argparse.Namespace, Log], Forward]
+    checked: bool = True  # validated against hf-sdpa before timing (all but the baseline)
+    missing: Callable[[], str | None] = lambda: None  # why it cannot run in this environment, or None
+
+
+def _module_forward(model: torch.nn.Module) -> Forward:
+    def forward(inputs):
+        with torch.inference_mode():
+            return model(**inputs)
+
+    return forward
+
+
+def _build_hf_compile(ms: ModelSet, opts, log) -> Forward:
+    for limit in ("recompile_limit", "cache_size_limit"):  # one graph per shape: allow a sweep's worth
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 256))
+    compiled = torch.compile(ms.hf("sdpa"), mode=opts.compile_mode, dynamic=False)
+    cudagraphs = ms.device.type == "cuda" and opts.compile_mode == "reduce-overhead"
+
+    def forward(inputs):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.inference_mode():
+            return compiled(**inputs)
+
+    return forward
+
+
+def _fastbert_model(ms: ModelSet, log) -> torch.nn.Module:
+    """fastbert on ``ms``'s weights; Unavailable when fastbert does not accelerate this family (yet)."""
+    try:
+        model, warned = ms.fastbert()
+    except NotImplementedError as e:
+        raise Unavailable(f"fastbert does not support {ms.name}: {e}") from e
+    for w in warned:
+        log(f"  note: building fastbert for {ms.name} warned: {w}")
+    if not is_fastbert(model):
+        raise Unavailable(f"fastbert.optimize returned {type(model).__name__} unchanged: this fastbert has no "
+                          f"adapter for the {ms.family} family, so there is nothing of fastbert's to time")
+    return model
+
+
+def _build_fastbert(ms: ModelSet, opts, log) -> Forward:
+    return _module_forward(_fastbert_model(ms, log))
+
+
+def _graphs_missing() -> str | None:
+    try:
+        import fastbert
+    except Exception as e:  # the harness lists providers even when fastbert is broken
+        return f"fastbert does not import ({type(e).__name__}: {e})"
+    if not callable(getattr(fastbert, "cuda_graphs", None)):
+        return f"fastbert {getattr(fastbert, '__version__', '?')} has no fastbert.cuda_graphs() yet"
+    return None
+
+
+def _build_fastbert_graphs(ms: ModelSet, opts, log) -> Forward:
+    import fastbert
+
+    model = _fastbert_model(ms, log)
+    graphed = fastbert.cuda_graphs(model)
+    return _module_forward(model if graphed is None else graphed)
+
+
+def _ort_missing() -> str | None:
+    from .ort_provider import ort_missing
+
+    return ort_missing()
+
+
+def _build_ort(ms: ModelSet, opts, log) -> Forward:
+    from .ort_provider import build_ort
+
+    return build_ort(ms, opts, log)
+
+
+def _compile_missing() -> str | None:
+    return None if hasattr(torch, "compile") else f"torch {torch.__version__} has no torch.compile"
+
+
+PROVIDERS: dict[str, Provider] = {
+    p.name: p
+    for p in [
+        Provider("hf-eager", "the transformers model, attn_implementation='eager'", ("cpu", "cuda"), ("cpu", "cuda"),
+                 lambda ms, opts, log: _module_forward(ms.hf("eager"))),
+        Provider(BASELINE, "the transformers model, attn_implementation='sdpa' (the baseline of speedup_vs_hf_sdpa "
+                 "and the reference of the output check)", ("cpu", "cuda"), ("cpu", "cuda"),
+                 lambda ms, opts, log: _module_forward(ms.hf("sdpa")), checked=False),
+        Provider("hf-compile", "torch.compile(hf-sdpa model, mode=--compile-mode, dynamic=False); default on cuda, "
+                 "--compile (or --providers) adds it on cpu (inductor C++ codegen; compiles once per shape)",
+                 ("cpu", "cuda"), ("cuda",), _build_hf_compile, missing=_compile_missing),
+        Provider("fastbert", "fastbert.BertModel(config) (unpad=True) on the same weights; other families: "
+                 "fastbert.optimize(HF model), unavailable where it leaves the model unchanged", ("cpu", "cuda"),
+                 ("cpu", "cuda"), _build_fastbert),
+        Provider("fastbert-graphs", "fastbert.cuda_graphs(fastbert model): CUDA graphs of fastbert (cuda only; "
+                 "unavailable while fastbert has no cuda_graphs())", ("cuda",), ("cuda",), _build_fastbert_graphs,
+                 missing=_graphs_missing),
+        Provider("ort", "onnxruntime (CPU, fp32): the HF model exported to ONNX with eager attention and fused by "
+                 "onnxruntime.transformers.optimizer (model_type='bert'); threads = torch's; needs onnxruntime",
+                 ("cpu",), ("cpu",), _build_ort, missing=_ort_missing),
+    ]
+}
+
+
+def build_forwards(ms: ModelSet, names: list[str], opts, log, keep_going: bool = False) -> tuple[dict, dict]:
+    """({provider: forward}, {provider: reason it did not build}) for the providers ``names`` on ``ms``.
+
+    ``Unavailable`` is a reason; any other exception propagates, unless ``keep_going`` (--keep-going) turns it into a
+    reason too (never for the baseline: without it no case can be checked).
+    """
+    forwards, skipped = {}, {}
+    for name in names:
+        try:
+            forwards[name] = PROVIDERS[name].build(ms, opts, log)
+        except Unavailable as e:
+            skipped[name] = str(e)
+        except Exception as e:
+            if not keep_going or name == BASELINE:
+                raise
+            skipped[name] = f"error while building: {type(e).__name__}: {e}"
+    return forwards, skipped
+
+
+def provider_missing(name: str) -> str | None:
+    """Why provider ``name`` cannot run in this environment (never raises)."""
+    try:
+        return PROVIDERS[name].missing()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
