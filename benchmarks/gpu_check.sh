@@ -34,6 +34,9 @@ mkdir -p "${OUT:-gpu-out}" && out="$(cd "${OUT:-gpu-out}" && pwd)"
 parent="${GPU_CHECK_WORK:-$(mktemp -d)}"
 work="$parent/gpu_check"
 cd "$(dirname "$0")/.." || exit 2
+# Python must import the installed fastbert, not the checkout's fastbert/ folder (which lacks fastbert.kernels when
+# the install is not editable): keep the working directory off sys.path.
+export PYTHONSAFEPATH=1
 rm -rf "$work" && mkdir -p "$work/logs"
 : > "$work/steps.txt"
 status=0
