@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import sys
 import tarfile
 import time
@@ -383,7 +384,9 @@ def main(argv=None) -> int:
         return compare(workdir, modes, args.strict_skips, args.show_fallbacks)
 
     missing = [m for m in ("pytest", "parameterized", "transformers", "fastbert")
-               if subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True).returncode]
+               # (from another directory: a checkout's fastbert/ folder must not shadow the installed package)
+               if subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True,
+                                 cwd=tempfile.gettempdir()).returncode]
     if missing:
         raise SystemExit(f"{sys.executable} cannot import {', '.join(missing)} (transformers' tests need "
                          f"parameterized: pip install parameterized)")
