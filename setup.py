@@ -152,9 +152,9 @@ class BuildExt(build_ext):
 
 
 setup(
-    packages=["fastbert", "fastbert.kernels"],
+    packages=["fastbert", "fastbert.models", "fastbert.kernels"],
     # kernels/ is installed as fastbert.kernels, never as a top-level `kernels` (a different package on PyPI).
-    package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
+    package_dir={"fastbert": "fastbert", "fastbert.models": "fastbert/models", "fastbert.kernels": "kernels"},
     ext_modules=[
         Pybind11Extension(
             "fastbert._C",

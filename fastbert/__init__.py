@@ -1,7 +1,10 @@
-"""fastbert: a drop-in, faster ``transformers.BertModel``.
+"""fastbert: drop-in, faster BERT-family encoders for transformers.
 
     from fastbert import BertModel          # instead of: from transformers import BertModel
-    fastbert.optimize(hf_model)             # or swap the encoder inside an existing HF model, in place
+                                            # (also RobertaModel, XLMRobertaModel, CamembertModel, ElectraModel,
+                                            #  DistilBertModel)
+    fastbert.optimize(hf_model)             # or swap the encoders inside an existing HF model, in place
+    fastbert.AutoModelForSequenceClassification.from_pretrained(path)   # transformers' Auto classes, accelerated
     fastbert.info()                         # what runs here, and why
 """
 
@@ -9,12 +12,33 @@ import importlib
 
 __version__ = "0.1.0"
 
+from .auto import (  # noqa: E402
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForPreTraining,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 from .derived import clear as clear_caches  # noqa: E402
-from .modeling import BertModel  # noqa: E402
+from .models import (  # noqa: E402
+    BertModel,
+    CamembertModel,
+    DistilBertModel,
+    ElectraModel,
+    RobertaModel,
+    XLMRobertaModel,
+)
 from .optimize import optimize  # noqa: E402
 from .validation import set_input_checks  # noqa: E402
 
-__all__ = ["BertModel", "optimize", "info", "set_input_checks", "clear_caches", "__version__"]
+__all__ = [
+    "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel",
+    "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+    "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
+    "optimize", "info", "set_input_checks", "clear_caches", "__version__",
+]
 
 
 def __getattr__(name):

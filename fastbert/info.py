@@ -11,6 +11,7 @@ import types
 import torch
 
 from . import __version__, _extension, announce, dispatch, validation
+from .optimize import reports as optimize_reports
 
 
 def _version(package: str) -> str | None:
@@ -51,6 +52,8 @@ def info() -> dict:
         # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,
         # options run by transformers' implementation, wrapped modules called as modules.
         "fallbacks": announce.seen(),
+        # What fastbert.optimize (and the Auto classes) accelerated in this process, latest last.
+        "optimized": optimize_reports(),
     }
 
 

@@ -13,16 +13,26 @@ container), every module still has HF's exact ``forward``.
         h   = act(x @ Wi + bi)                                               FusedIntermediate
         x   = LayerNorm(h @ Wo2 + bo2 + x)                                   FusedDenseResidualLayerNorm
 
-A family whose modules have other names maps them in its own mixins; these read BERT's names.
+These mixins read BERT's module names, which RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA share: ``fused_classes``
+builds a family's classes from them. A family with other names (DistilBERT) writes its own small mixins on the same
+ops (``fastbert/models/distilbert.py``).
 """
 
 import torch
+from torch import nn
 
-from . import derived, ops, padding
+from . import derived, ops, padding, plain
 
 
 class Fused:
-    """Base of the mixins: derived caches are dropped when the module is converted (``.to()``, ``.half()``)."""
+    """Base of the mixins.
+
+    ``bypassed``: the children whose ``forward`` this module's ``fused`` does not call (it calls their ``fused``, or
+    reads their weights). They must be fastbert's classes without hooks, or the model runs transformers' forward
+    (``bypassed_hook``). Derived caches are dropped when the module is converted (``.to()``, ``.half()``).
+    """
+
+    bypassed: tuple[str, ...] = ()
 
     def _apply(self, *args, **kwargs):
         derived.clear(self)
@@ -51,6 +61,8 @@ class FusedDenseResidualLayerNorm(Fused):
 
 
 class FusedAttention(Fused):
+    bypassed = ("self", "output")
+
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
         return self.output.fused(self.self.fused(x, layout), x)
 
@@ -61,12 +73,16 @@ class FusedIntermediate(Fused):
 
 
 class FusedLayer(Fused):
+    bypassed = ("attention", "intermediate", "output")
+
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
         x = self.attention.fused(x, layout)
         return self.output.fused(self.intermediate.fused(x), x)
 
 
 class FusedEncoder(Fused):
+    bypassed = ("layer",)
+
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout, keep: set[int] | None):
         """x [N, hidden] -> (last [N, hidden], [B, S, hidden] inputs of the layers whose index is in ``keep``).
 
@@ -94,9 +110,66 @@ def _checkpointed(encoder, layer):
 
 class FusedPredictionHeadTransform(Fused):
     """The MLM head's dense -> act -> LayerNorm with act + LayerNorm fused. Its ``forward`` is the fused one: the
-    head calls it with [..., hidden] like HF's."""
+    head calls it with [..., hidden] like HF's. ``activation_name``: the attribute holding the activation module."""
+
+    activation_name = "transform_act_fn"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        x = ops.dense_act_layer_norm(x, self.dense, self.transform_act_fn, self.LayerNorm)
-        return x.view(hidden_states.shape)
+        x = ops.dense_act_layer_norm(x, self.dense, getattr(self, self.activation_name), self.LayerNorm)
+        return x.view(*hidden_states.shape[:-1], x.shape[-1])
+
+
+def bypassed_hook(module: nn.Module) -> nn.Module | None:
+    """The first module that ``module.fused`` would bypass although it must run: one that is not fastbert's (a
+    replacement someone installed), or one with hooks. None when the fused path skips nothing. Reads ``_modules``
+    directly: this runs every forward (~0.5 µs per module)."""
+    for name in module.bypassed:
+        child = module._modules[name]
+        children = child._modules.values() if type(child) is nn.ModuleList else (child,)
+        for c in children:
+            if not isinstance(c, Fused):
+                return c
+            if (c._forward_hooks or c._forward_pre_hooks or c._backward_hooks or c._backward_pre_hooks
+                    or "forward" in c.__dict__) and plain.has_hooks(c):
+                return c
+            found = bypassed_hook(c)
+            if found is not None:
+                return found
+    return None
+
+
+# transformers' class-name suffix -> the mixin that fuses it, for BERT-shaped families (class ``{prefix}{suffix}``).
+BERT_SHAPED = {
+    "Embeddings": FusedEmbeddings,
+    "SelfAttention": FusedSelfAttention,
+    "SelfOutput": FusedDenseResidualLayerNorm,
+    "Attention": FusedAttention,
+    "Intermediate": FusedIntermediate,
+    "Output": FusedDenseResidualLayerNorm,
+    "Layer": FusedLayer,
+    "Encoder": FusedEncoder,
+    # transformers 4.x: one self-attention class per attention implementation; its model forward builds the mask for
+    # that class (sdpa: causality from ``is_causal``), so each keeps its own class under the mixin.
+    "SdpaSelfAttention": FusedSelfAttention,
+    "FlashAttention2": FusedSelfAttention,
+}
+
+
+def fused_classes(hf_module, prefix: str, mixins: dict[str, type], namespace: dict) -> dict[type, type]:
+    """transformers' class -> ours, ``class {prefix}{suffix}(mixin, hf_module.{prefix}{suffix})`` for each suffix of
+    ``mixins`` that ``hf_module`` defines. Each class is also put in ``namespace`` (the family module's globals) under
+    transformers' name, so it pickles and reads as ``fastbert.models.<family>.<Name>``.
+
+    Exact classes only: a subclass someone wrote may behave differently, so it keeps its own forward (and the model
+    runs transformers' implementation).
+    """
+    classes = {}
+    for suffix, mixin in mixins.items():
+        theirs = getattr(hf_module, prefix + suffix, None)
+        if theirs is None:
+            continue
+        ours = type(theirs.__name__, (mixin, theirs), {"__module__": namespace["__name__"]})
+        namespace[theirs.__name__] = ours
+        classes[theirs] = ours
+    return classes

@@ -1,91 +1,41 @@
-"""BERT, as in the paper's diagram, on transformers' own modules.
+"""An encoder model of the BERT family, as in BERT's diagram, on transformers' own modules.
 
     ids, token types, positions  [B, S]
       -> validate, then pack the real tokens when the mask has padding           (validation.py, padding.py)
       -> embeddings = LayerNorm(word[ids] + position[pos] + token_type[tt])     [N, hidden]
-      -> num_hidden_layers x BertLayer:                                          (layers.py)
+      -> num_hidden_layers x layer:                                              (layers.py)
              qkv = x @ Wqkv + bqkv                  one GEMM              [N, 3 * hidden]
              ctx = attention(q, k, v | layout)      flash attention       [N, hidden]
              x   = LayerNorm(ctx @ Wo + bo + x)     GEMM + fused LN
              h   = act(x @ Wi + bi)                 GEMM + fused bias/act [N, intermediate]
              x   = LayerNorm(h @ Wo2 + bo2 + x)     GEMM + fused LN
-      -> unpack to [B, S, hidden]; pooler = tanh(dense(x[:, 0]))
+      -> unpack to [B, S, hidden]; pooler = tanh(dense(x[:, 0])) where the model has one
 
-N is B * S on the dense path and the number of real tokens on the packed one. Every class here is transformers'
-class with a fused mixin (``layers.py``): same ``__init__``, children, state_dict keys and ``forward``. So checkpoints
-load strictly both ways, ``fastbert.optimize`` turns an HF module into ours by setting its class, and whatever
-fastbert does not accelerate runs transformers' own code on the same modules.
+N is B * S on the dense path and the number of real tokens on the packed one. ``FusedModel`` is the mixin of every
+family's model class (``class RobertaModel(FusedModel, hf.RobertaModel)``, in ``fastbert/models/``); a family states
+only what differs: how positions are numbered, a projection after the embeddings, the output class. Its modules are
+transformers' classes with fused mixins: same ``__init__``, children, state_dict keys and ``forward``, so checkpoints
+load strictly both ways, ``fastbert.optimize`` turns an HF model into ours by setting its class, and whatever fastbert
+does not accelerate runs transformers' own code on the same modules.
 """
 
 import inspect
 
 import torch
 import transformers
-from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
-from transformers.models.bert import modeling_bert as hf
+from transformers import PreTrainedModel
 
 from . import announce, dispatch, layers, padding, plain, validation
 
-
-class BertEmbeddings(layers.FusedEmbeddings, hf.BertEmbeddings):
-    pass
-
-
-class BertSelfAttention(layers.FusedSelfAttention, hf.BertSelfAttention):
-    pass
-
-
-class BertSelfOutput(layers.FusedDenseResidualLayerNorm, hf.BertSelfOutput):
-    pass
-
-
-class BertAttention(layers.FusedAttention, hf.BertAttention):
-    pass
-
-
-class BertIntermediate(layers.FusedIntermediate, hf.BertIntermediate):
-    pass
-
-
-class BertOutput(layers.FusedDenseResidualLayerNorm, hf.BertOutput):
-    pass
-
-
-class BertLayer(layers.FusedLayer, hf.BertLayer):
-    pass
-
-
-class BertEncoder(layers.FusedEncoder, hf.BertEncoder):
-    pass
-
-
-class BertPredictionHeadTransform(layers.FusedPredictionHeadTransform, hf.BertPredictionHeadTransform):
-    pass
-
-
-# transformers' class -> ours, for the modules inside an encoder. Exact classes only: a subclass someone wrote may
-# behave differently, so it keeps its own forward (and the encoder runs transformers' implementation).
-FUSED_CLASSES = {
-    hf.BertEmbeddings: BertEmbeddings,
-    hf.BertSelfAttention: BertSelfAttention,
-    hf.BertSelfOutput: BertSelfOutput,
-    hf.BertAttention: BertAttention,
-    hf.BertIntermediate: BertIntermediate,
-    hf.BertOutput: BertOutput,
-    hf.BertLayer: BertLayer,
-    hf.BertEncoder: BertEncoder,
-}
-# transformers 4.x picks a self-attention subclass per attention implementation, and its BertModel.forward builds the
-# mask for that class (sdpa: causality from ``is_causal``), so each keeps its own class under the fused mixin.
-for _name in ("BertSdpaSelfAttention", "BertFlashAttention2"):
-    if hasattr(hf, _name):
-        FUSED_CLASSES[getattr(hf, _name)] = type(
-            _name, (layers.FusedSelfAttention, getattr(hf, _name)), {"__module__": __name__}
-        )
-        globals()[_name] = FUSED_CLASSES[getattr(hf, _name)]  # picklable by name
-
 # transformers 5 drops None from tuple outputs; 4.x keeps the pooler's slot (heads index outputs[2:]).
 _TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+
+# The inputs the fused forward reads, by transformers' argument names.
+_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+# Arguments the fused forward implements (with HF's meaning) or that HF itself ignores for an encoder.
+_HANDLED = {"output_hidden_states", "return_dict", "use_cache", "num_items_in_batch"}
+# Arguments that only matter when given (not None); given, transformers' implementation runs.
+_NOT_ACCELERATED = ("head_mask", "encoder_hidden_states", "encoder_attention_mask", "past_key_values")
 
 
 def why_not_accelerated(config) -> str | None:
@@ -106,21 +56,12 @@ def fuse_children(model, fused_classes: dict) -> None:
             module.__class__ = ours
 
 
-# The names of transformers.BertModel.forward's parameters in order, for positional arguments past position_ids
-# (their order differs between transformers 4.x and 5.x).
-_HF_PARAMETERS = [
-    name
-    for name, p in inspect.signature(hf.BertModel.forward).parameters.items()
-    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and name != "self"
-]
-# Arguments the fused forward implements (with HF's meaning) or that HF itself ignores for an encoder.
-_HANDLED = {"inputs_embeds", "output_hidden_states", "return_dict", "use_cache", "num_items_in_batch"}
-# Arguments that only matter when given (not None); given, transformers' implementation runs.
-_NOT_ACCELERATED = ("head_mask", "encoder_hidden_states", "encoder_attention_mask", "past_key_values")
+class FusedModel(layers.Fused):
+    """Mixin making a transformers ``*Model`` of the BERT family fastbert's: same constructor, weights, arguments
+    and outputs, with the fused forward.
 
-
-class BertModel(hf.BertModel):
-    """Drop-in for ``transformers.BertModel``: same constructor, weights, arguments and outputs.
+    A family subclass sets ``fused_classes`` (transformers' module classes -> ours), ``output_class`` (what HF's
+    forward returns) and, where it differs from BERT, ``encoder_name``, ``position_ids`` and ``embed``.
 
     ``unpad`` (default True): when ``attention_mask`` has padding, run every layer on the packed real tokens only.
     ``last_hidden_state`` then holds zeros at padding positions (HF returns values there that carry no meaning).
@@ -128,91 +69,152 @@ class BertModel(hf.BertModel):
     ``output_attentions``, hooks on its inner modules) runs transformers' own forward, announced once.
     """
 
-    def __init__(self, config, add_pooling_layer: bool = True, unpad: bool = True):
-        super().__init__(config, add_pooling_layer=add_pooling_layer)
-        if why_not_accelerated(config) is None:  # as optimize() does: anything else keeps transformers' modules
-            fuse_children(self, FUSED_CLASSES)
-        self._configure(config, unpad)
+    fused_classes: dict[type, type] = {}
+    output_class: type
+    encoder_name = "encoder"
 
-    def _configure(self, config, unpad: bool = True):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        hf_classes = [b for b in cls.__mro__ if issubclass(b, PreTrainedModel) and not issubclass(b, FusedModel)]
+        if not hf_classes:  # a mixin shared by families (roberta.RobertaShapedModel)
+            return
+        cls.hf_class = hf_classes[0]
+        cls.bypassed = ("embeddings", cls.encoder_name)
+        # The names of HF's forward parameters in order, for positional arguments (their order differs between
+        # families and between transformers 4.x and 5.x).
+        signature = inspect.signature(cls.hf_class.forward)
+        cls._hf_parameters = tuple(
+            name for name, p in signature.parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and name != "self"
+        )
+
+        def forward(self, *args, **kwargs):
+            return FusedModel._forward(self, args, kwargs)
+
+        # transformers' tests and tools read the forward's signature (which inputs a model takes): show HF's.
+        forward.__signature__ = signature
+        forward.__doc__ = f"``{cls.hf_class.__name__}.forward``'s arguments and outputs; " + FusedModel._forward.__doc__
+        cls.forward = forward
+
+    def __init__(self, config, *args, unpad: bool = True, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if why_not_accelerated(config) is None:  # as optimize() does: anything else keeps transformers' modules
+            fuse_children(self, self.fused_classes)
+        self._configure(unpad)
+
+    def _configure(self, unpad: bool = True):
         """State of ours beyond HF's (``__init__`` and ``optimize`` call it)."""
         self.unpad = unpad
         _register_output_capture(self)
-        self._config_not_accelerated = why_not_accelerated(config)
+        self._config_not_accelerated = why_not_accelerated(self.config)
         if self._config_not_accelerated:
-            announce.fallback(f"{self._config_not_accelerated} is not accelerated: transformers' BertModel runs")
+            announce.fallback(
+                f"{self._config_not_accelerated} is not accelerated: transformers' {self.hf_class.__name__} runs"
+            )
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, *args, **kwargs):
-        """transformers.BertModel.forward's arguments and outputs (``BaseModelOutputWithPoolingAndCrossAttentions``).
-
-        input_ids / token_type_ids / attention_mask (nonzero = real token): [B, S]; position_ids: [B, S] or [1, S];
-        inputs_embeds: [B, S, hidden] instead of input_ids.
-        """
-        kwargs.update(zip(_HF_PARAMETERS[4:], args))
-        why = self._why_transformers(attention_mask, kwargs)
+    def _forward(self, args: tuple, kwargs: dict):
+        """input_ids / token_type_ids / attention_mask (nonzero = real token): [B, S]; position_ids: [B, S] or
+        [1, S]; inputs_embeds: [B, S, embedding width] instead of input_ids."""
+        if len(args) > len(self._hf_parameters):
+            raise TypeError(f"forward() takes {len(self._hf_parameters)} positional arguments but {len(args)} were given")
+        for name, value in zip(self._hf_parameters, args):
+            if name in kwargs:
+                raise TypeError(f"forward() got multiple values for argument {name!r}")
+            kwargs[name] = value
+        why = self._why_transformers(kwargs)
         if why:
-            announce.fallback(f"{why} is not accelerated: transformers' BertModel.forward runs for this call")
-            return super().forward(input_ids, attention_mask, token_type_ids, position_ids, **kwargs)
-        config = self.config
-        inputs_embeds = kwargs.get("inputs_embeds")
-        word = self.embeddings.word_embeddings.weight
+            announce.fallback(f"{why} is not accelerated: transformers' {self.hf_class.__name__}.forward runs "
+                              "for this call")
+            return super(FusedModel, self).forward(**kwargs)
+        inputs = {name: kwargs.pop(name, None) for name in _INPUTS}
+        input_ids, attention_mask, inputs_embeds = inputs["input_ids"], inputs["attention_mask"], inputs["inputs_embeds"]
+        embeddings = self.embeddings
+        word = embeddings.word_embeddings.weight
+        position_ids = inputs["position_ids"]
         batch, seq_len = validation.check_inputs(
-            config, word, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
+            word, input_ids, attention_mask, inputs["token_type_ids"], position_ids, inputs_embeds,
+            None if position_ids is not None else self.max_seq_len(input_ids),
         )
-        device = word.device
+        token_type_ids = inputs["token_type_ids"]
         if token_type_ids is None:
-            token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+            token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=word.device)
+        positions_name = "position_ids"
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=device)[None]
+            position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, word.device)
+        token_types = getattr(embeddings, "token_type_embeddings", None)
         indices = validation.flat_indices(
             torch.zeros_like(token_type_ids) if input_ids is None else input_ids,
             token_type_ids,
             position_ids.expand(batch, seq_len),
-            [config.vocab_size, config.type_vocab_size, config.max_position_embeddings],
+            [word.shape[0], 1 if token_types is None else token_types.weight.shape[0],
+             embeddings.position_embeddings.weight.shape[0]],
+            positions_name,
         )  # [3, B * S]
 
         layout = self._layout(batch, seq_len, attention_mask)
         if layout.packed:
             indices = indices.index_select(1, layout.indices)  # [3, N]
         embeds = None if inputs_embeds is None else padding.pack(inputs_embeds, layout)
+        config = self.config
         keep = _selected_states(_flag(kwargs, "output_hidden_states", config), config.num_hidden_layers)
-        x = self.embeddings.fused(indices, embeds)  # [N, hidden]
-        x, states = self.encoder.fused(x, layout, keep)
+        x = self.embed(indices, embeds)  # [N, hidden]
+        x, states = getattr(self, self.encoder_name).fused(x, layout, keep)
         sequence_output = padding.unpack(x, layout)  # [B, S, hidden]
-        pooled_output = None
-        if self.pooler is not None:
-            first = sequence_output if seq_len else sequence_output.new_zeros(batch, 1, x.shape[-1])
-            pooled_output = self.pooler(first)
-
         hidden_states = None
         if keep is not None:
             hidden_states = (*states, sequence_output if config.num_hidden_layers in keep else None)
-        out = BaseModelOutputWithPoolingAndCrossAttentions(
-            last_hidden_state=sequence_output, pooler_output=pooled_output, hidden_states=hidden_states
-        )
+        outputs = dict(last_hidden_state=sequence_output, hidden_states=hidden_states)
+        pooled = "pooler_output" in self.output_class.__dataclass_fields__
+        if pooled:  # (field order matters: tuple outputs follow it)
+            pooler = getattr(self, "pooler", None)
+            first = sequence_output if seq_len else sequence_output.new_zeros(batch, 1, x.shape[-1])
+            outputs["pooler_output"] = None if pooler is None else pooler(first)
+        out = self.output_class(**outputs)
         if _flag(kwargs, "return_dict", config, default=True):
             return out
-        if _TRANSFORMERS_4:
-            return (sequence_output, pooled_output) + ((hidden_states,) if hidden_states is not None else ())
+        if _TRANSFORMERS_4 and pooled:
+            return (sequence_output, out.pooler_output) + ((hidden_states,) if hidden_states is not None else ())
         return out.to_tuple()
 
-    # transformers' tests and tools read the forward's signature (which inputs a model takes): show HF's.
-    forward.__signature__ = inspect.signature(hf.BertModel.forward)
+    # --- what a family may change ------------------------------------------------------------------------------
 
-    def _why_transformers(self, attention_mask, kwargs) -> str | None:
+    def max_seq_len(self, input_ids: torch.Tensor | None) -> int | None:
+        """The longest input the position table holds when ``position_ids`` is not given (None: data-dependent)."""
+        return self.config.max_position_embeddings
+
+    def position_ids(self, input_ids, batch: int, seq_len: int, device) -> tuple[torch.Tensor, str]:
+        """Positions when ``position_ids`` is not given: ([1, S] or [B, S] int64, what an error calls them)."""
+        return torch.arange(seq_len, device=device)[None], "position_ids (0 .. seq_len - 1)"
+
+    def embed(self, indices: torch.Tensor, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """indices [3, N] -> the encoder's input [N, hidden]."""
+        return self.embeddings.fused(indices, inputs_embeds)
+
+    # -------------------------------------------------------------------------------------------------------------
+
+    def _why_transformers(self, kwargs) -> str | None:
         """Why this call must run transformers' implementation instead of the fused one, or None."""
         if self._config_not_accelerated:
             return self._config_not_accelerated
         given = [name for name in _NOT_ACCELERATED if kwargs.get(name) is not None]
         if _flag(kwargs, "output_attentions", self.config):
             given.append("output_attentions (the fused attention never forms the probabilities)")
-        given += sorted(name for name, v in kwargs.items() if name not in _HANDLED and name not in _NOT_ACCELERATED
-                        and name != "output_attentions" and v is not None)
+        given += sorted(name for name, v in kwargs.items() if v is not None and name not in _INPUTS
+                        and name not in _HANDLED and name not in _NOT_ACCELERATED and name != "output_attentions")
         if given:
             return "the argument " + ", ".join(given)
+        attention_mask = kwargs.get("attention_mask")
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() in (3, 4):
             return f"a {attention_mask.dim()}-D attention_mask"
-        return _hooked_container(self)
+        if plain.global_hooks():
+            return "a global module hook"
+        bypassed = layers.bypassed_hook(self)
+        if bypassed is not None:
+            name = next(n for n, m in self.named_modules() if m is bypassed)
+            if isinstance(bypassed, layers.Fused):
+                return f"a hook on {name}"
+            return f"{name} being a {type(bypassed).__name__}"
+        return None
 
     def _layout(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> padding.TokenLayout:
         """Packed when unpadding is on and the mask has padding; dense otherwise.
@@ -263,37 +265,3 @@ def _selected_states(output_hidden_states, num_layers: int) -> set[int] | None:
     selected = [output_hidden_states] if isinstance(output_hidden_states, int) else list(output_hidden_states)
     count = num_layers + 1
     return {i % count for i in selected if -count <= i < count}
-
-
-def _hooked_container(model) -> str | None:
-    """A reason when calling ``fused`` would skip something: a hook on a container module (its ``forward`` would
-    not run), a global hook, or a module replaced by one that is not fastbert's. Reads ``_modules`` directly: this
-    runs every forward (~0.5 µs per module)."""
-    if plain.global_hooks():
-        return "a global module hook"
-    encoder = model._modules["encoder"]
-    checks = [("embeddings", model._modules["embeddings"], layers.FusedEmbeddings), ("encoder", encoder, layers.FusedEncoder)]
-    for i, layer in enumerate(encoder._modules["layer"]._modules.values()):
-        if not isinstance(layer, layers.FusedLayer):
-            checks.append((f"encoder.layer.{i}", layer, layers.FusedLayer))
-            break
-        attention = layer._modules["attention"]
-        checks += [(i, layer, layers.FusedLayer), (i, attention, layers.FusedAttention),
-                   (i, attention._modules["self"], layers.FusedSelfAttention),
-                   (i, attention._modules["output"], layers.FusedDenseResidualLayerNorm),
-                   (i, layer._modules["intermediate"], layers.FusedIntermediate),
-                   (i, layer._modules["output"], layers.FusedDenseResidualLayerNorm)]
-    for name, module, fused_class in checks:
-        if not isinstance(module, fused_class):
-            return f"{_name(model, name, module)} being a {type(module).__name__}"
-        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-                or "forward" in module.__dict__) and plain.has_hooks(module):
-            return f"a hook on {_name(model, name, module)}"
-    return None
-
-
-def _name(model, name, module) -> str:
-    """The dotted name of ``module`` (``name`` is a layer index for the modules inside a layer)."""
-    if isinstance(name, str):
-        return name
-    return next(n for n, m in model.named_modules() if m is module)

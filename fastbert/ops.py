@@ -68,39 +68,43 @@ def linear(x: torch.Tensor, dense: nn.Module) -> torch.Tensor:
 
 
 def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-    """LayerNorm(word[ids] + position[pos] + token_type[tt]) -> [tokens, hidden].
+    """LayerNorm(word[ids] + position[pos] + token_type[tt]) -> [tokens, width] (width: the tables' width).
 
     indices: [3, tokens] int64 (word, token type, position), range-checked by ``validation.flat_indices``.
-    inputs_embeds: [tokens, hidden] replaces the word lookup when given (then indices[0] is ignored).
+    embeddings: HF's embeddings module (``word_embeddings``, ``position_embeddings``, ``LayerNorm``, ``dropout``, and
+    ``token_type_embeddings`` unless the family has none, as DistilBERT; then indices[1] is ignored).
+    inputs_embeds: [tokens, width] replaces the word lookup when given (then indices[0] is ignored).
     """
-    word_embeddings, position_embeddings, token_type_embeddings = (
-        embeddings.word_embeddings, embeddings.position_embeddings, embeddings.token_type_embeddings
-    )
-    word, position, token_type = word_embeddings.weight, position_embeddings.weight, token_type_embeddings.weight
+    word_embeddings, position_embeddings = embeddings.word_embeddings, embeddings.position_embeddings
+    token_type_embeddings = getattr(embeddings, "token_type_embeddings", None)
+    word, position = word_embeddings.weight, position_embeddings.weight
+    token_type = None if token_type_embeddings is None else token_type_embeddings.weight
     ln = embeddings.LayerNorm
     input_ids, token_type_ids, position_ids = indices.unbind(0)
     p = embeddings.dropout.p if embeddings.training else 0.0
     why = _why_reference(word, position, token_type, ln.weight, inputs_embeds, dropout_p=p)
     if inputs_embeds is not None:
         why = why or "inputs_embeds replaces the fused word-embedding lookup"
-    why = why or _why_not_plain(
-        indices.device,
-        word_embeddings=(word_embeddings, nn.Embedding),
-        position_embeddings=(position_embeddings, nn.Embedding),
-        token_type_embeddings=(token_type_embeddings, nn.Embedding),
-        LayerNorm=(ln, nn.LayerNorm),
-    )
+    tables = dict(word_embeddings=(word_embeddings, nn.Embedding), position_embeddings=(position_embeddings, nn.Embedding),
+                  LayerNorm=(ln, nn.LayerNorm))
+    if token_type_embeddings is not None:
+        tables["token_type_embeddings"] = (token_type_embeddings, nn.Embedding)
+    why = why or _why_not_plain(indices.device, **tables)
     backend = dispatch.choose("embedding", word, why)
     if backend == "torch":
         # Clamp like the kernels do, so that with range checks off a bad id never reads out of bounds.
         input_ids = input_ids.clamp(0, word.shape[0] - 1)
-        token_type_ids = token_type_ids.clamp(0, token_type.shape[0] - 1)
         position_ids = position_ids.clamp(0, position.shape[0] - 1)
         # The modules themselves, in HF's order: hooks, wrappers and padding_idx's missing gradient as in HF.
-        words = word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        x = words + token_type_embeddings(token_type_ids)
+        x = word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        if token_type_embeddings is not None:
+            x = x + token_type_embeddings(token_type_ids.clamp(0, token_type.shape[0] - 1))
         x = x + position_embeddings(position_ids)
         return embeddings.dropout(ln(x))
+    if token_type is None:
+        # The kernels always add a token-type row: a family without token types adds a zero row (one [1, width]
+        # table, cached with the word table it follows in dtype and device).
+        token_type = derived.cached(embeddings, "zero_token_type", (word,), lambda w: w.new_zeros(1, w.shape[1]))
     fused = _extension.embedding_layer_norm if backend.endswith("-ext") else embedding_kernels.embedding_layer_norm
     return fused(input_ids, position_ids, token_type_ids, word, position, token_type, ln.weight, ln.bias, ln.eps)
 
@@ -183,10 +187,11 @@ def _attention_varlen_sdpa(heads: torch.Tensor, seqlens: tuple[int, ...], dropou
 
 
 def dense_residual_layer_norm(
-    x: torch.Tensor, residual: torch.Tensor, dense: nn.Module, dropout: nn.Module, layer_norm: nn.Module
+    x: torch.Tensor, residual: torch.Tensor, dense: nn.Module, dropout: nn.Module | None, layer_norm: nn.Module
 ) -> torch.Tensor:
-    """LayerNorm(dropout(dense(x)) + residual): BertSelfOutput and BertOutput."""
-    p = dropout.p if dropout.training else 0.0
+    """LayerNorm(dropout(dense(x)) + residual): BertSelfOutput and BertOutput (``dropout`` None: none, as after
+    DistilBERT's attention projection)."""
+    p = dropout.p if dropout is not None and dropout.training else 0.0
     why = _why_reference(x, getattr(dense, "weight", None), residual, getattr(layer_norm, "weight", None), dropout_p=p)
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     if dispatch.choose("layer_norm", x, why) == "triton":
@@ -196,7 +201,8 @@ def dense_residual_layer_norm(
         h, bias = (F.linear(x, dense.weight), dense.bias) if plain_dense else (dense(x), None)
         ln = layer_norm
         return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=bias, residual=residual)
-    return layer_norm(dropout(linear(x, dense)) + residual)
+    h = linear(x, dense)
+    return layer_norm((h if dropout is None else dropout(h)) + residual)
 
 
 def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Tensor:

@@ -30,10 +30,15 @@ def input_checks_enabled() -> bool:
 
 
 def check_inputs(
-    config, weight: torch.Tensor, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
+    weight: torch.Tensor, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+    max_seq_len: int | None,
 ) -> tuple[int, int]:
-    """Metadata-only checks of the forward's inputs against the model (``weight``: its word embedding); returns
-    (batch, seq_len). Each error names the argument."""
+    """Metadata-only checks of the forward's inputs against the model (``weight``: its word embedding table); returns
+    (batch, seq_len). Each error names the argument.
+
+    max_seq_len: the longest sequence the position table holds when positions are not given, or None when that
+    depends on the data (RoBERTa numbers only non-padding tokens: the range check then tells).
+    """
     named = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                  position_ids=position_ids, inputs_embeds=inputs_embeds)
     for name, value in named.items():
@@ -44,13 +49,15 @@ def check_inputs(
         if value.device != weight.device:
             raise ValueError(f"{name} is on {value.device} but the model's weights are on {weight.device}: move "
                              "the inputs (or the model) to one device")
-    batch, seq_len = _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    batch, seq_len = _check_shapes(weight.shape[1], input_ids, attention_mask, token_type_ids, position_ids,
+                                   inputs_embeds, max_seq_len)
     if inputs_embeds is not None and inputs_embeds.dtype != weight.dtype:
         raise TypeError(f"inputs_embeds is {inputs_embeds.dtype} but the model is {weight.dtype}")
     return batch, seq_len
 
 
-def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds) -> tuple[int, int]:
+def _check_shapes(width, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                  max_seq_len) -> tuple[int, int]:
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     if input_ids is not None:
@@ -59,10 +66,8 @@ def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_id
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         batch, seq_len = input_ids.shape
     else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must be [batch, seq_len, {config.hidden_size}], got {tuple(inputs_embeds.shape)}"
-            )
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width:
+            raise ValueError(f"inputs_embeds must be [batch, seq_len, {width}], got {tuple(inputs_embeds.shape)}")
         if not inputs_embeds.is_floating_point():
             raise TypeError(f"inputs_embeds must be floating point, got {inputs_embeds.dtype}")
         batch, seq_len = inputs_embeds.shape[:2]
@@ -82,10 +87,9 @@ def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_id
             raise ValueError(
                 f"position_ids has shape {tuple(position_ids.shape)}; expected [{batch}, {seq_len}] or [1, {seq_len}]"
             )
-    elif seq_len > config.max_position_embeddings:
-        raise ValueError(
-            f"sequence length {seq_len} exceeds max_position_embeddings={config.max_position_embeddings}"
-        )
+    elif max_seq_len is not None and seq_len > max_seq_len:
+        raise ValueError(f"sequence length {seq_len} exceeds the {max_seq_len} positions the model's position table "
+                         "holds (config.max_position_embeddings)")
     if batch > 0 and seq_len == 0:
         raise ValueError("zero-length sequences have no first token for the pooler; pass seq_len >= 1")
     return batch, seq_len
@@ -99,15 +103,19 @@ def _check_integer(name: str, t: torch.Tensor) -> None:
 
 @torch.library.custom_op("fastbert::checked_indices", mutates_args=())
 def checked_indices(
-    input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor, limits: list[int]
+    input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor, limits: list[int],
+    positions_name: str = "position_ids",
 ) -> torch.Tensor:
-    """[B, S] ids, token types, positions -> [3, B*S] int64, after checking each lies in [0, limit)."""
+    """[B, S] ids, token types, positions -> [3, B*S] int64, after checking each lies in [0, limit).
+
+    positions_name: what the error calls the positions (the argument, or how the model derived them).
+    """
     stacked = torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()
     if stacked.numel() == 0:
         return stacked
     low, high = torch.aminmax(stacked, dim=1)
     spans = torch.stack([low, high], dim=1).tolist()  # the one host sync of the checks: [[min, max]] x 3
-    names = ("input_ids", "token_type_ids", "position_ids")
+    names = ("input_ids", "token_type_ids", positions_name)
     tables = ("vocab_size", "type_vocab_size", "max_position_embeddings")
     for name, table, limit, (lo, hi) in zip(names, tables, limits, spans):
         if lo < 0 or hi >= limit:
@@ -118,16 +126,17 @@ def checked_indices(
 
 
 @checked_indices.register_fake
-def _(input_ids, token_type_ids, position_ids, limits):
+def _(input_ids, token_type_ids, position_ids, limits, positions_name="position_ids"):
     return input_ids.new_empty((3, input_ids.numel()), dtype=torch.long)
 
 
-def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int]) -> torch.Tensor:
+def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int],
+                 positions_name: str = "position_ids") -> torch.Tensor:
     """The [3, B*S] int64 index tensor, range-checked unless checks are off.
 
     Not checked where the data cannot be read: while exporting (the exported graph has no data; the kernels and
     torch ops clamp), or on the meta device.
     """
     if _checks_enabled and input_ids.device.type != "meta" and not dispatch.exporting():
-        return checked_indices(input_ids, token_type_ids, position_ids, limits)
+        return checked_indices(input_ids, token_type_ids, position_ids, limits, positions_name)
     return torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()

@@ -241,7 +241,7 @@ def test_buffers_initialized_after_from_pretrained(small_bert_config, tmp_path):
 
 def test_optimize_warns_when_nothing_to_accelerate():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    with pytest.warns(RuntimeWarning, match=r"found no BERT encoder to accelerate in Sequential \(it contains Linear, "
+    with pytest.warns(RuntimeWarning, match=r"found no BERT-family encoder to accelerate in Sequential \(it contains Linear, "
                                             r"ReLU\)"):
         assert fastbert.optimize(model) is model
 

@@ -124,7 +124,7 @@ def test_optimize_task_models(small_bert_config, assert_matches_hf, model_class,
     assert not any(type(m) in swapped for m in model.modules()), "an HF encoder module was left in place"
     if model_class in (transformers.BertForMaskedLM, transformers.BertForPreTraining):
         transform = model.cls.predictions.transform
-        assert type(transform) is fastbert.modeling.BertPredictionHeadTransform
+        assert type(transform) is fastbert.models.bert.BertPredictionHeadTransform
         assert model.cls.predictions.decoder.weight is encoder.embeddings.word_embeddings.weight  # still tied
 
     with torch.no_grad():

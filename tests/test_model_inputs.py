@@ -43,7 +43,7 @@ BAD_INPUTS = [
      r"position_ids out of range.*max_position_embeddings=64"),
     ("position < 0", dict(input_ids=ids(B, S), position_ids=torch.arange(-1, S - 1)[None]), ValueError,
      r"position_ids out of range"),
-    ("seq_len > max_position", dict(input_ids=ids(B, 65)), ValueError, r"exceeds max_position_embeddings=64"),
+    ("seq_len > max_position", dict(input_ids=ids(B, 65)), ValueError, r"sequence length 65 exceeds the 64 positions"),
     ("mask shape", dict(input_ids=ids(B, S), attention_mask=torch.ones(B, S + 1)), ValueError,
      r"attention_mask has shape \(2, 7\)"),
     ("mask 1-d", dict(input_ids=ids(B, S), attention_mask=torch.ones(B * S)), ValueError, r"attention_mask has shape"),

@@ -1,0 +1,68 @@
+"""``fastbert.AutoModel`` and friends: transformers' Auto classes, with fastbert inside what they return.
+
+    model = fastbert.AutoModelForSequenceClassification.from_pretrained("BAAI/bge-reranker-base")
+
+loads exactly what ``transformers.AutoModelForSequenceClassification`` loads (same arguments, same class, same
+weights) and runs ``fastbert.optimize`` on it. An architecture fastbert does not accelerate comes back as
+transformers' model, with a one-time note saying so (and listed in ``fastbert.info()["fallbacks"]``).
+"""
+
+import transformers
+
+from . import announce
+from .optimize import accelerate, model_classes
+
+
+class _FastAuto:
+    """Base of the Auto classes below: ``hf_auto`` is the transformers Auto class they load through."""
+
+    hf_auto: type
+
+    def __init__(self, *args, **kwargs):
+        raise EnvironmentError(f"{type(self).__name__} is built with from_pretrained(...) or from_config(...)")
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``transformers.<Auto>.from_pretrained(*args, **kwargs)``, accelerated."""
+        return _accelerated(cls.hf_auto.from_pretrained(*args, **kwargs))
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        """``transformers.<Auto>.from_config(config, **kwargs)``, accelerated."""
+        return _accelerated(cls.hf_auto.from_config(config, **kwargs))
+
+
+def _accelerated(model):
+    accelerated, left = accelerate(model)
+    if not accelerated and not left:
+        announce.fallback(f"{', '.join(model_classes(model))} is not a family fastbert accelerates (BERT, RoBERTa, "
+                          "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT): transformers' model is returned unchanged")
+    return model
+
+
+class AutoModel(_FastAuto):
+    hf_auto = transformers.AutoModel
+
+
+class AutoModelForMaskedLM(_FastAuto):
+    hf_auto = transformers.AutoModelForMaskedLM
+
+
+class AutoModelForSequenceClassification(_FastAuto):
+    hf_auto = transformers.AutoModelForSequenceClassification
+
+
+class AutoModelForTokenClassification(_FastAuto):
+    hf_auto = transformers.AutoModelForTokenClassification
+
+
+class AutoModelForQuestionAnswering(_FastAuto):
+    hf_auto = transformers.AutoModelForQuestionAnswering
+
+
+class AutoModelForMultipleChoice(_FastAuto):
+    hf_auto = transformers.AutoModelForMultipleChoice
+
+
+class AutoModelForPreTraining(_FastAuto):
+    hf_auto = transformers.AutoModelForPreTraining

@@ -1,0 +1,58 @@
+"""RoBERTa: BERT's modules, positions numbered from ``padding_idx + 1`` over the non-padding tokens.
+
+XLM-RoBERTa and CamemBERT are RoBERTa under other class names: their files call ``positions_from_input_ids``.
+"""
+
+import torch
+from transformers.activations import gelu
+from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+from transformers.models.roberta import modeling_roberta as hf
+
+from .. import layers, modeling, ops
+
+FUSED_CLASSES = layers.fused_classes(hf, "Roberta", layers.BERT_SHAPED, globals())
+
+
+class FusedLMHead(layers.Fused):
+    """RoBERTa's MLM head: decoder(LayerNorm(gelu(dense(x)))) with gelu + LayerNorm fused (HF calls the exact-erf
+    ``transformers.activations.gelu``)."""
+
+    def forward(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
+        x = features.reshape(-1, features.shape[-1])
+        x = ops.dense_act_layer_norm(x, self.dense, gelu, self.layer_norm).view(features.shape)
+        return self.decoder(x)
+
+
+class RobertaLMHead(FusedLMHead, hf.RobertaLMHead):
+    pass
+
+
+HEAD_CLASSES = {hf.RobertaLMHead: RobertaLMHead}
+
+
+class RobertaShapedModel(modeling.FusedModel):
+    """RoBERTa's numbering: without ``position_ids``, a token's position is ``padding_idx`` + its rank among the
+    row's non-padding tokens (padding tokens get ``padding_idx``), whatever the attention mask says; with
+    ``inputs_embeds``, positions run ``padding_idx + 1 ..`` in order."""
+
+    output_class = BaseModelOutputWithPoolingAndCrossAttentions
+
+    def max_seq_len(self, input_ids):
+        # From input_ids the largest position depends on how many tokens are padding: the range check tells.
+        return None if input_ids is not None else self.config.max_position_embeddings - self.embeddings.padding_idx - 1
+
+    def position_ids(self, input_ids, batch, seq_len, device):
+        padding_idx = self.embeddings.padding_idx
+        if input_ids is None:
+            return torch.arange(padding_idx + 1, seq_len + padding_idx + 1, device=device)[None], (
+                f"positions {padding_idx + 1} .. seq_len + {padding_idx} of inputs_embeds"
+            )
+        real = input_ids.ne(padding_idx)
+        positions = (real.cumsum(dim=1) * real + padding_idx).long()  # [B, S]
+        return positions, f"positions numbered from input_ids ({padding_idx} + rank among non-padding tokens)"
+
+
+class RobertaModel(RobertaShapedModel, hf.RobertaModel):
+    """Drop-in for ``transformers.RobertaModel``: ``RobertaModel(config, add_pooling_layer=True, unpad=True)``."""
+
+    fused_classes = FUSED_CLASSES
