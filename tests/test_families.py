@@ -329,3 +329,20 @@ def test_cross_encoder_xlm_roberta(xlmr_checkpoints):
     after = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
     assert fastbert.announce.seen() == fallbacks
     torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+
+
+def test_subclass_keeps_its_own_forward():
+    """A user's subclass of a fastbert model keeps its forward, and reaches fastbert's through super()."""
+
+    class Scaled(fastbert.RobertaModel):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            out = super().forward(input_ids, attention_mask, **kwargs)
+            out.last_hidden_state = 2 * out.last_hidden_state
+            return out
+
+    family = FAMILIES["roberta"]
+    model, plain = Scaled(family.config).eval(), family.fast(family.config).eval()
+    plain.load_state_dict(model.state_dict())
+    input_ids, mask = inputs(family.config, 2, 5)
+    doubled, once = run([model, plain], input_ids, attention_mask=mask)
+    torch.testing.assert_close(doubled.last_hidden_state, 2 * once.last_hidden_state)

@@ -1,10 +1,11 @@
-"""pytest plugin: run transformers' own model tests with fastbert standing in for ``transformers.BertModel``.
+"""pytest plugin: run transformers' own model tests with fastbert standing in for transformers' BERT-family models
+(``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``).
 
 Load it with ``-p fastbert_standin`` (this directory on PYTHONPATH) and pick the mode with an environment variable:
 
     FASTBERT_STANDIN=none       plain transformers (the baseline); only records outcomes
-    FASTBERT_STANDIN=rebind     transformers' ``BertModel`` name is bound to ``fastbert.BertModel`` everywhere a test
-                                or a BERT head looks it up, before any test module is imported
+    FASTBERT_STANDIN=rebind     each family's ``*Model`` name is bound to fastbert's class everywhere a test or a
+                                head looks it up, before any test module is imported
     FASTBERT_STANDIN=optimize   every BERT-family model the tests build (``BertFor*(config)``, ``from_config``) or
                                 load (``from_pretrained``) goes through ``fastbert.optimize()`` as soon as it exists
 
@@ -40,19 +41,30 @@ def _mode() -> str:
     return mode
 
 
-def _hf_bert():
-    from transformers.models.bert import modeling_bert
+# (transformers' subpackage, its modeling module, the model class name) per family fastbert covers
+FAMILIES = (
+    ("bert", "modeling_bert", "BertModel"),
+    ("roberta", "modeling_roberta", "RobertaModel"),
+    ("xlm_roberta", "modeling_xlm_roberta", "XLMRobertaModel"),
+    ("camembert", "modeling_camembert", "CamembertModel"),
+    ("electra", "modeling_electra", "ElectraModel"),
+    ("distilbert", "modeling_distilbert", "DistilBertModel"),
+)
 
-    return modeling_bert
+
+def _hf_modules() -> list:
+    import importlib
+
+    return [importlib.import_module(f"transformers.models.{package}.{module}") for package, module, _ in FAMILIES]
 
 
-# transformers' own BertModel class, captured before any rebinding.
-_ORIGINAL_BERT_MODEL = None
+# transformers' own model classes, captured before any rebinding.
+_ORIGINAL_MODELS: tuple = ()
 
 
 def _fastbert_classes() -> tuple:
     fastbert = sys.modules.get("fastbert")  # never imported by the baseline ("none") run
-    return (fastbert.BertModel,) if fastbert is not None else ()
+    return tuple(getattr(fastbert, name) for _, _, name in FAMILIES) if fastbert is not None else ()
 
 
 def _has_fastbert(model) -> bool:
@@ -60,13 +72,13 @@ def _has_fastbert(model) -> bool:
 
 
 def _is_bert_model(model) -> bool:
-    bert_classes = (_ORIGINAL_BERT_MODEL, *_fastbert_classes())
+    bert_classes = (*_ORIGINAL_MODELS, *_fastbert_classes())
     return any(isinstance(m, bert_classes) for m in model.modules())
 
 
 def _needs_optimize(model) -> bool:
-    """A BERT encoder in ``model`` is still transformers' own class (fastbert.optimize would swap it)."""
-    return any(type(m) is _ORIGINAL_BERT_MODEL for m in model.modules())
+    """A BERT-family encoder in ``model`` is still transformers' own class (fastbert.optimize would swap it)."""
+    return any(type(m) in _ORIGINAL_MODELS for m in model.modules())
 
 
 def _count_built(model) -> None:
@@ -114,9 +126,9 @@ def _wrap_init(cls, on_outermost_built) -> None:
 def _install_construction_hooks(on_outermost_built) -> None:
     from transformers import PreTrainedModel
 
-    hf = _hf_bert()
     classes = [
         obj
+        for hf in _hf_modules()
         for obj in vars(hf).values()
         if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and "__init__" in obj.__dict__
     ]
@@ -131,20 +143,22 @@ def _install_construction_hooks(on_outermost_built) -> None:
 
 
 def _rebind() -> None:
-    """Bind the name ``BertModel`` to fastbert's class wherever transformers and the tests resolve it."""
+    """Bind each family's model name to fastbert's class wherever transformers and the tests resolve it."""
+    import importlib
+
     import transformers
-    import transformers.models.bert as bert_pkg
 
     import fastbert
 
-    hf = _hf_bert()
-    # The BERT heads build their encoder with ``self.bert = BertModel(config, ...)``: a global of modeling_bert.
-    hf.BertModel = fastbert.BertModel
-    # ``from transformers import BertModel``, ``transformers.models.bert.BertModel`` and the auto mappings
-    # (AutoModel resolves class names on transformers.models.bert) all read these attributes. transformers' lazy
-    # modules cache what they resolved, so set them outright.
-    setattr(bert_pkg, "BertModel", fastbert.BertModel)
-    setattr(transformers, "BertModel", fastbert.BertModel)
+    for (package, _, name), hf in zip(FAMILIES, _hf_modules()):
+        ours = getattr(fastbert, name)
+        # The heads build their encoder with ``self.bert = BertModel(config, ...)``: a global of the modeling module.
+        setattr(hf, name, ours)
+        # ``from transformers import BertModel``, ``transformers.models.bert.BertModel`` and the auto mappings
+        # (AutoModel resolves class names on transformers.models.<family>) all read these attributes. transformers'
+        # lazy modules cache what they resolved, so set them outright.
+        setattr(importlib.import_module(f"transformers.models.{package}"), name, ours)
+        setattr(transformers, name, ours)
     # Tests that fetch a fresh top-level module later (transformers' test_pipeline_mixin re-executes
     # transformers/__init__.py from the checkout) resolve BertModel through the submodules above again.
 
@@ -323,10 +337,10 @@ def _versions() -> dict:
 
 
 def pytest_configure(config):
-    global _ORIGINAL_BERT_MODEL
+    global _ORIGINAL_MODELS
     mode = _mode()
     _state["mode"] = mode
-    _ORIGINAL_BERT_MODEL = _hf_bert().BertModel
+    _ORIGINAL_MODELS = tuple(getattr(hf, name) for (_, _, name), hf in zip(FAMILIES, _hf_modules()))
     if mode != "none":
         import fastbert  # noqa: F401  (imported before any rebinding: fastbert subclasses transformers' classes)
     _install_construction_hooks(_on_built)
@@ -348,7 +362,7 @@ def pytest_report_header(config):
 
 def pytest_terminal_summary(terminalreporter):
     s = _state
-    line = (f"fastbert stand-in ({s['mode']}): {s['bert_models_built']} BERT models built or loaded, "
+    line = (f"fastbert stand-in ({s['mode']}): {s['bert_models_built']} BERT-family models built or loaded, "
             f"{s['with_fastbert']} of them running fastbert modules")
     if s["mode"] == "optimize":
         line += f"; fastbert.optimize() called {s['optimized']} times, {s['optimize_errors']} raised"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Run transformers' own BERT model tests three times -- plain transformers, fastbert rebound in as
-``transformers.BertModel``, and every BERT model passed through ``fastbert.optimize()`` -- and list every test that
-passes with plain transformers but not with fastbert.
+"""Run transformers' own model tests of the BERT family three times -- plain transformers, fastbert's classes
+rebound in as ``transformers.BertModel``, ``RobertaModel``, ..., and every such model passed through
+``fastbert.optimize()`` -- and list every test that passes with plain transformers but not with fastbert.
 
     python tests/hf_suite/run.py                                   # transformers sdist from PyPI (see README.md)
     TRANSFORMERS_TESTS=/path/to/transformers python tests/hf_suite/run.py
@@ -30,8 +30,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODES = ("none", "rebind", "optimize")
-BERT_TEST = "tests/models/bert/test_modeling_bert.py"
-OWN_SUITE = "bert_common_suite.py"
+# transformers' per-model test files, run when the tree has them (a checkout; the sdist does not ship them)
+MODEL_TESTS = tuple(f"tests/models/{family}/test_modeling_{family}.py"
+                    for family in ("bert", "roberta", "xlm_roberta", "camembert", "electra", "distilbert"))
+OWN_SUITES = ("bert_common_suite.py", "family_common_suite.py")
 FAILING = ("failed", "error")
 
 # Support modules transformers' tests/test_modeling_common.py, test_configuration_common.py and test_pipeline_mixin.py
@@ -140,7 +142,8 @@ def prepare_tree(root: Path, workdir: Path) -> tuple[Path, list[str]]:
     suite = tree / "tests" / "fastbert_suite"
     suite.mkdir()
     (suite / "__init__.py").write_text("")
-    shutil.copy2(HERE / OWN_SUITE, suite / OWN_SUITE)
+    for name in OWN_SUITES:
+        shutil.copy2(HERE / name, suite / name)
     return tree, missing
 
 
@@ -359,9 +362,9 @@ def main(argv=None) -> int:
                         help="comma-separated, run in order (default: %(default)s); without 'none' the last "
                              "baseline results are reused")
     parser.add_argument("--files", nargs="+", metavar="PATH",
-                        help=f"test files relative to the transformers root (default: {BERT_TEST} when the tree "
-                             f"has it, and fastbert's {OWN_SUITE})")
-    parser.add_argument("--no-own-suite", action="store_true", help=f"do not add {OWN_SUITE}")
+                        help="test files relative to the transformers root (default: the family's per-model test files "
+                             f"the tree has, and fastbert's {', '.join(OWN_SUITES)})")
+    parser.add_argument("--no-own-suite", action="store_true", help=f"do not add {', '.join(OWN_SUITES)}")
     parser.add_argument("-k", help="pytest -k expression (a subset of tests)")
     parser.add_argument("-m", help="pytest -m marker expression")
     parser.add_argument("--tb", default="short", help="pytest --tb style in the logs (default: %(default)s)")
@@ -402,13 +405,12 @@ def main(argv=None) -> int:
 
     files = list(args.files or [])
     if not files:
-        if (tree / BERT_TEST).exists():
-            files.append(BERT_TEST)
-        else:
-            log(f"  {BERT_TEST} is not in that tree: only fastbert's {OWN_SUITE} runs, against transformers' "
-                f"common tests (see README.md for getting the full tests)")
+        files += [test for test in MODEL_TESTS if (tree / test).exists()]
+        if not files:
+            log(f"  transformers' per-model test files are not in that tree: only fastbert's {', '.join(OWN_SUITES)} "
+                "run, against transformers' common tests (see README.md for getting the full tests)")
     if not args.no_own_suite:
-        files.append(f"tests/fastbert_suite/{OWN_SUITE}")
+        files += [f"tests/fastbert_suite/{name}" for name in OWN_SUITES]
     if not files:
         parser.error("no test files")
 

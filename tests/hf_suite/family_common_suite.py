@@ -1,0 +1,113 @@
+"""transformers' *common* model tests (``ModelTesterMixin``, ~300 tests per model class) for the other families
+fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA and DistilBERT, every head class of each, on tiny configs
+of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model test files are not in its sdist).
+
+``run.py`` copies this file next to ``bert_common_suite.py`` in the tree it prepares. The model classes are looked up
+on ``transformers`` when this module is imported, i.e. after the ``fastbert_standin`` plugin has rebound them.
+"""
+
+import unittest
+
+import torch
+import transformers
+from transformers.testing_utils import require_torch, torch_device
+
+from tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask
+
+
+class TinyTester:
+    """Shapes and inputs for the common tests: odd sizes, padding in every mask (first token always real)."""
+
+    batch_size, seq_length, vocab_size = 5, 9, 101
+    hidden_size, num_hidden_layers, num_attention_heads, intermediate_size = 32, 2, 4, 48
+    num_labels, num_choices, type_sequence_label_size = 2, 2, 2
+    is_training = True
+
+    def __init__(self, parent, config_class, token_types: int, **config):
+        self.parent, self.config_class, self.type_vocab_size, self.config = parent, config_class, token_types, config
+
+    def get_config(self):
+        return self.config_class(**self.config)
+
+    def prepare_config_and_inputs_for_common(self):
+        inputs = {
+            # ids from 2 up: RoBERTa's padding_idx (1) only where a tokenizer puts it, at padding
+            "input_ids": ids_tensor([self.batch_size, self.seq_length], self.vocab_size - 2) + 2,
+            "attention_mask": random_attention_mask([self.batch_size, self.seq_length]),
+        }
+        if self.type_vocab_size > 1:
+            inputs["token_type_ids"] = ids_tensor([self.batch_size, self.seq_length], self.type_vocab_size)
+        return self.get_config(), inputs
+
+
+_BERT_SHAPED = dict(
+    vocab_size=TinyTester.vocab_size, hidden_size=TinyTester.hidden_size,
+    num_hidden_layers=TinyTester.num_hidden_layers, num_attention_heads=TinyTester.num_attention_heads,
+    intermediate_size=TinyTester.intermediate_size, max_position_embeddings=64, is_decoder=False,
+    hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+)
+_HEADS = ("Model", "ForMaskedLM", "ForMultipleChoice", "ForQuestionAnswering", "ForSequenceClassification",
+          "ForTokenClassification")
+
+
+# (The ``ForCausalLM`` heads are decoders: fastbert leaves them to transformers, as bert_common_suite.py checks.)
+def _classes(prefix: str, extra: tuple[str, ...] = ()) -> tuple:
+    return tuple(getattr(transformers, prefix + head) for head in _HEADS + extra)
+
+
+@require_torch
+class FastbertRobertaCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = _classes("Roberta")
+
+    def setUp(self):
+        self.model_tester = TinyTester(self, transformers.RobertaConfig, 1, **_BERT_SHAPED, type_vocab_size=1,
+                                       pad_token_id=1)
+
+
+@require_torch
+class FastbertXLMRobertaCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = _classes("XLMRoberta")
+
+    def setUp(self):
+        self.model_tester = TinyTester(self, transformers.XLMRobertaConfig, 1, **_BERT_SHAPED, type_vocab_size=1,
+                                       pad_token_id=1)
+
+
+@require_torch
+class FastbertCamembertCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = _classes("Camembert")
+
+    def setUp(self):
+        self.model_tester = TinyTester(self, transformers.CamembertConfig, 1, **_BERT_SHAPED, type_vocab_size=1,
+                                       pad_token_id=1, hidden_act="gelu_new")
+
+
+@require_torch
+class FastbertElectraCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = _classes("Electra", ("ForPreTraining",))
+
+    def setUp(self):
+        # embedding_size != hidden_size: the embeddings_project GEMM
+        self.model_tester = TinyTester(self, transformers.ElectraConfig, 3, **_BERT_SHAPED, type_vocab_size=3,
+                                       embedding_size=24)
+
+    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
+        inputs_dict = super()._prepare_for_class(inputs_dict, model_class, return_labels=return_labels)
+        # The discriminator's labels (replaced-token flags per position), which the common helper does not know.
+        if return_labels and model_class.__name__ == "ElectraForPreTraining":
+            shape = (self.model_tester.batch_size, self.model_tester.seq_length)
+            inputs_dict["labels"] = torch.zeros(shape, dtype=torch.long, device=torch_device)
+        return inputs_dict
+
+
+@require_torch
+class FastbertDistilBertCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = _classes("DistilBert")
+
+    def setUp(self):
+        self.model_tester = TinyTester(
+            self, transformers.DistilBertConfig, 1, vocab_size=TinyTester.vocab_size, dim=TinyTester.hidden_size,
+            n_layers=TinyTester.num_hidden_layers, n_heads=TinyTester.num_attention_heads,
+            hidden_dim=TinyTester.intermediate_size, max_position_embeddings=64, dropout=0.1, attention_dropout=0.1,
+            sinusoidal_pos_embds=True,
+        )
