@@ -40,29 +40,18 @@ def _accelerated(model):
     return model
 
 
-class AutoModel(_FastAuto):
-    hf_auto = transformers.AutoModel
+def _auto(hf_auto: type) -> type:
+    """fastbert's counterpart of the transformers Auto class ``hf_auto`` (same name, in this module)."""
+    return type(hf_auto.__name__, (_FastAuto,), {
+        "hf_auto": hf_auto, "__module__": __name__,
+        "__doc__": f"``transformers.{hf_auto.__name__}``, with fastbert inside the models it returns.",
+    })
 
 
-class AutoModelForMaskedLM(_FastAuto):
-    hf_auto = transformers.AutoModelForMaskedLM
-
-
-class AutoModelForSequenceClassification(_FastAuto):
-    hf_auto = transformers.AutoModelForSequenceClassification
-
-
-class AutoModelForTokenClassification(_FastAuto):
-    hf_auto = transformers.AutoModelForTokenClassification
-
-
-class AutoModelForQuestionAnswering(_FastAuto):
-    hf_auto = transformers.AutoModelForQuestionAnswering
-
-
-class AutoModelForMultipleChoice(_FastAuto):
-    hf_auto = transformers.AutoModelForMultipleChoice
-
-
-class AutoModelForPreTraining(_FastAuto):
-    hf_auto = transformers.AutoModelForPreTraining
+AutoModel = _auto(transformers.AutoModel)
+AutoModelForMaskedLM = _auto(transformers.AutoModelForMaskedLM)
+AutoModelForSequenceClassification = _auto(transformers.AutoModelForSequenceClassification)
+AutoModelForTokenClassification = _auto(transformers.AutoModelForTokenClassification)
+AutoModelForQuestionAnswering = _auto(transformers.AutoModelForQuestionAnswering)
+AutoModelForMultipleChoice = _auto(transformers.AutoModelForMultipleChoice)
+AutoModelForPreTraining = _auto(transformers.AutoModelForPreTraining)

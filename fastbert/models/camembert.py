@@ -3,16 +3,10 @@
 from transformers.models.camembert import modeling_camembert as hf
 
 from .. import layers
-from .roberta import FusedLMHead, RobertaShapedModel
+from .roberta import HEAD_MIXINS, RobertaShapedModel
 
 FUSED_CLASSES = layers.fused_classes(hf, "Camembert", layers.BERT_SHAPED, globals())
-
-
-class CamembertLMHead(FusedLMHead, hf.CamembertLMHead):
-    pass
-
-
-HEAD_CLASSES = {hf.CamembertLMHead: CamembertLMHead}
+HEAD_CLASSES = layers.fused_classes(hf, "Camembert", HEAD_MIXINS, globals())
 
 
 class CamembertModel(RobertaShapedModel, hf.CamembertModel):

@@ -1,6 +1,7 @@
 """RoBERTa: BERT's modules, positions numbered from ``padding_idx + 1`` over the non-padding tokens.
 
-XLM-RoBERTa and CamemBERT are RoBERTa under other class names: their files call ``positions_from_input_ids``.
+XLM-RoBERTa and CamemBERT are RoBERTa under other class names: their files reuse ``HEAD_MIXINS`` and
+``RobertaShapedModel``.
 """
 
 import torch
@@ -23,11 +24,9 @@ class FusedLMHead(layers.Fused):
         return self.decoder(x)
 
 
-class RobertaLMHead(FusedLMHead, hf.RobertaLMHead):
-    pass
-
-
-HEAD_CLASSES = {hf.RobertaLMHead: RobertaLMHead}
+# The heads with a fused forward, for optimize(): {Prefix}LMHead.
+HEAD_MIXINS = {"LMHead": FusedLMHead}
+HEAD_CLASSES = layers.fused_classes(hf, "Roberta", HEAD_MIXINS, globals())
 
 
 class RobertaShapedModel(modeling.FusedModel):

@@ -3,16 +3,10 @@
 from transformers.models.xlm_roberta import modeling_xlm_roberta as hf
 
 from .. import layers
-from .roberta import FusedLMHead, RobertaShapedModel
+from .roberta import HEAD_MIXINS, RobertaShapedModel
 
 FUSED_CLASSES = layers.fused_classes(hf, "XLMRoberta", layers.BERT_SHAPED, globals())
-
-
-class XLMRobertaLMHead(FusedLMHead, hf.XLMRobertaLMHead):
-    pass
-
-
-HEAD_CLASSES = {hf.XLMRobertaLMHead: XLMRobertaLMHead}
+HEAD_CLASSES = layers.fused_classes(hf, "XLMRoberta", HEAD_MIXINS, globals())
 
 
 class XLMRobertaModel(RobertaShapedModel, hf.XLMRobertaModel):
