@@ -3,10 +3,14 @@
 Backends, fastest first:
 - ``cuda-ext`` / ``cpu-ext``: the ``fastbert._C`` extension (only the embedding op);
 - ``triton``: the kernels in ``fastbert.kernels`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
+- ``onednn``: the CPU GEMMs (op ``gemm``) through oneDNN with prepacked weights and fused epilogues
+  (``kernels/cpu_linear.py``), where it is measured faster than torch's ``F.linear`` on this CPU;
 - ``torch``: plain PyTorch (the reference ops, SDPA for attention). Always applies; it is also what runs when
   autograd needs gradients (the fused kernels are forward-only), dropout is active, or an activation has no kernel.
 
-``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice (read at every call, so tests can switch it).
+``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice (read at every call, so tests can switch it);
+``FASTBERT_BACKEND=torch`` also keeps the GEMMs on ``F.linear``, and ``FASTBERT_CPU_GEMM=auto|onednn|torch`` picks the
+CPU GEMM library alone.
 Each backend states why it does not apply; ``fastbert.info()`` reports those reasons, and the first time a faster
 backend is skipped for a reason other than the user's own choice, a warning says why.
 """
@@ -17,9 +21,11 @@ import os
 import torch
 
 from . import _extension, announce
+from .kernels import cpu_linear
 
-OPS = ("embedding", "attention", "layer_norm", "bias_act", "act_layer_norm")
+OPS = ("embedding", "attention", "layer_norm", "bias_act", "act_layer_norm", "gemm")
 ENV_BACKEND = "FASTBERT_BACKEND"
+ENV_CPU_GEMM = "FASTBERT_CPU_GEMM"
 # Dtypes the C++ CPU embedding kernel was written for; fp16 on CPU has no fast path in torch either.
 _CPU_EXT_DTYPES = (torch.float32, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -29,6 +35,14 @@ def requested_backend() -> str:
     value = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
     if value not in ("auto", "torch", "triton"):
         raise ValueError(f"{ENV_BACKEND}={value!r}: expected one of auto, torch, triton")
+    return value
+
+
+def requested_cpu_gemm() -> str:
+    """``FASTBERT_CPU_GEMM=auto|onednn|torch``: the CPU GEMM library (auto: the faster one measured here)."""
+    value = os.environ.get(ENV_CPU_GEMM, "auto").strip().lower() or "auto"
+    if value not in ("auto", "onednn", "torch"):
+        raise ValueError(f"{ENV_CPU_GEMM}={value!r}: expected one of auto, onednn, torch")
     return value
 
 
@@ -70,6 +84,13 @@ def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, l
     """backend -> reasons it does not apply (empty list: it applies), fastest first, ignoring overrides."""
     ext = "cuda-ext" if device.type == "cuda" else "cpu-ext"
     options: dict[str, list[str]] = {}
+    if op == "gemm":
+        # The GEMMs themselves: cuBLAS through F.linear on a GPU; on CPU oneDNN with prepacked weights and fused
+        # epilogues where it is available and measured faster than torch's default (MKL) here.
+        if device.type == "cpu":
+            options["onednn"] = _onednn_reasons(dtype)
+        options["torch"] = []
+        return options
     if op == "embedding":
         options[ext] = _ext_reasons(device, dtype)
     if device.type == "cpu" and op != "embedding" and not triton_interpreter():
@@ -82,13 +103,27 @@ def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, l
     return options
 
 
+def _onednn_reasons(dtype: torch.dtype) -> list[str]:
+    reasons = cpu_linear.unavailable_reasons(dtype)
+    requested = requested_cpu_gemm()
+    if requested == "torch":
+        reasons.append(f"{ENV_CPU_GEMM}=torch")
+    elif not reasons and requested == "auto":
+        gflops = cpu_linear.measure(dtype)
+        if gflops["onednn"] <= gflops["torch"]:
+            reasons.append(f"measured slower than torch's F.linear on this CPU ({gflops['onednn']} vs "
+                           f"{gflops['torch']} GFLOP/s, {dtype})")
+    return reasons
+
+
 def choose(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> str:
     """Backend for ``op`` on tensors like ``tensor``. ``needs_reference`` says why this call must run the torch
     reference ops (gradients, dropout, an activation without a kernel), if it must. Called once per op call: a dict
     lookup after the first call with the same arguments and settings (no device sync)."""
-    if exporting():
+    if exporting() or (op == "gemm" and torch.compiler.is_compiling()):
         return "torch"  # exporters trace plain torch ops: no custom op reaches an ONNX or ExportedProgram graph
-    key = (op, tensor.device, tensor.dtype, needs_reference, requested_backend(), triton_interpreter())
+    key = (op, tensor.device, tensor.dtype, needs_reference, requested_backend(), triton_interpreter(),
+           requested_cpu_gemm() if op == "gemm" else None)
     if key not in _plans:
         _plans[key] = _plan(*key)
     backend, warning = _plans[key]
@@ -110,10 +145,19 @@ def exporting() -> bool:
 _plans: dict[tuple, tuple[str, str | None]] = {}  # choose()'s key -> (backend, warning to show once)
 
 
-def _plan(op, device, dtype, needs_reference, requested, interpreter) -> tuple[str, str | None]:
+def _plan(op, device, dtype, needs_reference, requested, interpreter, cpu_gemm) -> tuple[str, str | None]:
     if requested == "torch":
         return "torch", None
     options = candidates(op, device, dtype)
+    if op == "gemm":  # FASTBERT_BACKEND=triton selects kernels for the other ops; the GEMM library is measured
+        best = next(b for b, reasons in options.items() if not reasons)
+        if needs_reference:
+            return "torch", None
+        if cpu_gemm == "onednn" and best != "onednn":
+            raise RuntimeError(f"{ENV_CPU_GEMM}=onednn but oneDNN cannot run here: " + "; ".join(options["onednn"]))
+        # Keeping F.linear (what transformers runs) is never slower than HF nor less precise: reported by
+        # fastbert.info(), not warned.
+        return best, None
     if requested == "triton" and options["triton"]:
         raise RuntimeError(f"{ENV_BACKEND}=triton but Triton cannot run {op} here: " + "; ".join(options["triton"]))
     best = "triton" if requested == "triton" else next(b for b, reasons in options.items() if not reasons)
@@ -135,7 +179,7 @@ def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], di
         if requested == "torch":
             backends[op], reasons[op] = "torch", [f"{ENV_BACKEND}=torch"]
             continue
-        if requested == "triton":
+        if requested == "triton" and op != "gemm":
             backends[op] = "triton" if not options["triton"] else "unavailable"
             reasons[op] = [f"{ENV_BACKEND}=triton"] + options["triton"]
             continue

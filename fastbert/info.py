@@ -11,6 +11,7 @@ import types
 import torch
 
 from . import __version__, _extension, announce, dispatch, validation
+from .kernels import cpu_linear
 from .optimize import reports as optimize_reports
 
 
@@ -47,6 +48,11 @@ def info() -> dict:
         "requested_backend": dispatch.requested_backend(),
         "triton_interpret": dispatch.triton_interpreter(),
         "input_checks": validation.input_checks_enabled(),
+        # CPU GEMM library: FASTBERT_CPU_GEMM, and what was measured on this CPU (GFLOP/s, once per dtype).
+        "cpu_gemm": {
+            "requested": dispatch.requested_cpu_gemm(),
+            "measured_gflops": {str(d).removeprefix("torch."): g for d, g in cpu_linear.measured().items()},
+        },
         "backends": backends,
         "reasons": reasons,
         # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,

@@ -17,6 +17,7 @@ from torch import nn
 from . import _extension, derived, dispatch
 from .kernels import activation as activation_kernels
 from .kernels import attention as attention_kernels
+from .kernels import cpu_linear
 from .kernels import embedding as embedding_kernels
 from .kernels import layer_norm as layer_norm_kernels
 from .padding import TokenLayout
@@ -61,10 +62,40 @@ def _why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> s
 
 
 def linear(x: torch.Tensor, dense: nn.Module) -> torch.Tensor:
-    """``dense(x)``: F.linear on a plain nn.Linear (no module-call overhead), otherwise the module itself."""
+    """``dense(x)``: a plain nn.Linear's GEMM (oneDNN or F.linear, no module-call overhead), otherwise the module."""
     if is_plain(dense, nn.Linear, x.device):
-        return F.linear(x, getattr(dense, "weight", None), dense.bias)
+        y = _onednn_linear(x, dense, _why_reference(x, dense.weight))
+        return F.linear(x, dense.weight, dense.bias) if y is None else y
     return dense(x)
+
+
+def _onednn_linear(x: torch.Tensor, dense: nn.Module, why: str | None, activation: str | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """act(dense(x)) or dense(x) + residual through oneDNN with the weight prepacked (``kernels/cpu_linear.py``),
+    or None where it does not apply: not CPU, a wrapped dense, ``why`` (gradients), autocast (which would not reach
+    oneDNN's op), torch.func transforms, a weight that is not the module's parameter (nothing to cache it with), or
+    dispatch keeping F.linear on this CPU."""
+    if why is not None:
+        # Training (gradients, dropout): the weights are about to change, possibly through buffers that alias them
+        # (ZeRO, FSDP) where no version counter sees it, so the packed copy goes, as the fused QKV weight does.
+        derived.discard(dense, "onednn_weight")
+        return None
+    if not is_plain(dense, nn.Linear, x.device) or not _onednn_applies(x, (dense.weight,)):
+        return None
+    packed = derived.cached(dense, "onednn_weight", (dense.weight,), cpu_linear.pack)
+    return cpu_linear.linear(x, packed, dense.bias, activation, residual)
+
+
+def _onednn_applies(x: torch.Tensor, weights: tuple, why: str | None = None) -> bool:
+    return (
+        x.device.type == "cpu"
+        and not torch.compiler.is_compiling()  # (compiled and exported graphs keep F.linear)
+        and not dispatch.exporting()
+        and all(type(w) is nn.Parameter for w in weights)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+        and dispatch.choose("gemm", x, why) == "onednn"
+    )
 
 
 def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,7 +155,11 @@ def qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.
         # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP) where no
         # version counter sees it, so the inference cache goes.
         derived.discard(query, "qkv")
+        derived.discard(query, "qkv_onednn")
         weight, bias = torch.cat(params[:3]), torch.cat(params[3:])
+    elif _onednn_applies(x, params, _why_reference(x)):  # (gradients may still flow to x)
+        weight, bias = derived.cached(query, "qkv_onednn", params, _stack_and_pack_qkv)
+        return cpu_linear.linear(x, weight, bias)
     else:
         weight, bias = derived.cached(query, "qkv", params, _stack_qkv)
     return F.linear(x, weight, bias)
@@ -132,6 +167,11 @@ def qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.
 
 def _stack_qkv(wq, wk, wv, bq, bk, bv) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv])
+
+
+def _stack_and_pack_qkv(*params) -> tuple[torch.Tensor, torch.Tensor]:
+    weight, bias = _stack_qkv(*params)
+    return cpu_linear.pack(weight), bias
 
 
 def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0) -> torch.Tensor:
@@ -192,7 +232,8 @@ def dense_residual_layer_norm(
     """LayerNorm(dropout(dense(x)) + residual): BertSelfOutput and BertOutput (``dropout`` None: none, as after
     DistilBERT's attention projection)."""
     p = dropout.p if dropout is not None and dropout.training else 0.0
-    why = _why_reference(x, getattr(dense, "weight", None), residual, getattr(layer_norm, "weight", None), dropout_p=p)
+    why_gemm = _why_reference(x, getattr(dense, "weight", None), residual, dropout_p=p)
+    why = why_gemm or _why_reference(getattr(layer_norm, "weight", None))
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     if dispatch.choose("layer_norm", x, why) == "triton":
         # A plain dense runs its GEMM without the bias, and the kernel adds bias and residual and normalizes in one
@@ -201,6 +242,9 @@ def dense_residual_layer_norm(
         h, bias = (F.linear(x, dense.weight), dense.bias) if plain_dense else (dense(x), None)
         ln = layer_norm
         return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=bias, residual=residual)
+    h = _onednn_linear(x, dense, why_gemm, residual=residual)  # (only without dropout: it comes before the add)
+    if h is not None:
+        return layer_norm(h)
     h = linear(x, dense)
     return layer_norm((h if dropout is None else dropout(h)) + residual)
 
@@ -208,24 +252,32 @@ def dense_residual_layer_norm(
 def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Tensor:
     """act(dense(x)): BertIntermediate. ``act_fn`` is HF's activation module."""
     activation = fused_activation(act_fn)
-    why = _why_reference(x, getattr(dense, "weight", None)) or _why_no_kernel(act_fn, activation)
+    why_gemm = _why_reference(x, getattr(dense, "weight", None))
+    why = why_gemm or _why_no_kernel(act_fn, activation)
     if dispatch.choose("bias_act", x, why) == "triton":
         if is_plain(dense, nn.Linear, x.device):
             return activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation)
         return activation_kernels.bias_act(dense(x), None, activation)
+    h = _onednn_linear(x, dense, why_gemm, activation)
+    if h is not None:
+        return h if activation is not None else act_fn(h)
     return act_fn(linear(x, dense))
 
 
 def dense_act_layer_norm(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module, layer_norm: nn.Module) -> torch.Tensor:
     """LayerNorm(act(dense(x))): the MLM head transform (BertPredictionHeadTransform)."""
     activation = fused_activation(act_fn)
-    why = _why_reference(x, getattr(dense, "weight", None), layer_norm.weight) or _why_no_kernel(act_fn, activation)
+    why_gemm = _why_reference(x, getattr(dense, "weight", None))
+    why = why_gemm or _why_reference(layer_norm.weight) or _why_no_kernel(act_fn, activation)
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     if dispatch.choose("act_layer_norm", x, why) == "triton":
         ln = layer_norm
         plain_dense = is_plain(dense, nn.Linear, x.device)
         h, bias = (F.linear(x, dense.weight), dense.bias) if plain_dense else (dense(x), None)
         return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=bias, activation=activation)
+    h = _onednn_linear(x, dense, why_gemm, activation)
+    if h is not None:
+        return layer_norm(h if activation is not None else act_fn(h))
     return layer_norm(act_fn(linear(x, dense)))
 
 

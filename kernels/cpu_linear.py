@@ -1,0 +1,100 @@
+"""CPU GEMM with a fused epilogue: ``act(x @ W^T + b)`` or ``x @ W^T + b + residual``, through oneDNN.
+
+x: [tokens, in], W: [out, in] (prepacked by ``pack``), b: [out] or None, residual: [tokens, out] -> [tokens, out].
+
+torch's ``F.linear`` on CPU runs MKL's sgemm (fp32). oneDNN, which every x86 torch build carries, runs the same GEMM
+on weights reordered once into its blocked layout and applies bias, GELU (exact erf or tanh), ReLU or a residual add
+in the GEMM's epilogue, while the output tile is still in cache. Which library is faster depends on the CPU (seen:
+oneDNN 1.05-1.3x MKL on one AMD EPYC with AVX-512, about 2x on another), so ``measure`` times both once per dtype on
+a bert-base-sized GEMM and dispatch keeps the faster (``fastbert.info()`` shows the figures).
+
+Numerics: fp32 accumulation in both; the epilogue applies to the fp32 accumulator before the output is rounded, so in
+bf16 the bias, residual and activation see one rounding fewer than ``F.linear`` followed by torch ops.
+"""
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .activation import activation_ref
+
+# HF activation name -> oneDNN (attr, algorithm); the tanh GELU is the formula "gelu_new" and "gelu_pytorch_tanh" use.
+EPILOGUES = {
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def linear_ref(x, weight, bias, activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The same math in torch ops (``weight`` unpacked): what HF computes."""
+    y = F.linear(x, weight, bias)
+    if residual is not None:
+        y = y + residual
+    return y if activation is None else activation_ref(y, activation)
+
+
+def unavailable_reasons(dtype: torch.dtype) -> list[str]:
+    reasons = []
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        reasons.append("this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)")
+    if dtype not in DTYPES:
+        reasons.append(f"oneDNN linear runs float32/bfloat16 here, not {dtype}")
+    return reasons
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] -> oneDNN's blocked layout (an opaque ``torch._mkldnn`` tensor), for any number of tokens."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x @ W^T + b), or x @ W^T + b + residual (one epilogue: oneDNN fuses either, not both)."""
+    if x.dim() != 2 or x.dtype != packed.dtype:
+        raise ValueError(f"x must be [tokens, in] in the weight's dtype {packed.dtype}, got {tuple(x.shape)} {x.dtype}")
+    if residual is not None:
+        if activation is not None:
+            raise ValueError("oneDNN fuses an activation or a residual add, not both")
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), packed, bias, "add")
+    attr, algorithm = EPILOGUES[activation] if activation is not None else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, [], algorithm)
+
+
+_measured: dict[torch.dtype, dict[str, float]] = {}
+
+
+def measure(dtype: torch.dtype) -> dict[str, float]:
+    """GFLOP/s of torch's ``F.linear`` and of the packed oneDNN linear on a [512, 768] x [768, 768]^T GEMM in
+    ``dtype`` with torch's current thread count (median of 5 after 2 warm-ups; ~20 ms, once per dtype)."""
+    if dtype not in _measured:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(512, 768, generator=generator).to(dtype)
+        weight = torch.randn(768, 768, generator=generator).to(dtype)
+        bias = torch.zeros(768, dtype=dtype)
+        with torch.inference_mode():
+            packed = pack(weight)
+            calls = {"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: linear(x, packed, bias)}
+            gflop = 2 * 512 * 768 * 768 / 1e9
+            _measured[dtype] = {name: round(gflop / _median_seconds(call), 1) for name, call in calls.items()}
+    return _measured[dtype]
+
+
+def measured() -> dict[torch.dtype, dict[str, float]]:
+    """What ``measure`` found so far, per dtype."""
+    return dict(_measured)
+
+
+def _median_seconds(call, warmup: int = 2, reps: int = 5) -> float:
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

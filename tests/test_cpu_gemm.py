@@ -1,0 +1,158 @@
+"""CPU GEMMs through oneDNN (kernels/cpu_linear.py): the op against its torch reference on odd shapes, the model
+with oneDNN forced against HF, and the prepacked-weight cache following every way the weights change."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from test_model_api import right_padded
+
+import fastbert
+from fastbert.kernels import cpu_linear
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    """oneDNN GEMMs forced for one test (whatever the measurement on this CPU would pick)."""
+    reasons = cpu_linear.unavailable_reasons(torch.float32)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "onednn")
+
+
+SHAPES = [(1, 312, 26), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens, in, out)
+
+
+@pytest.mark.parametrize("tokens, d_in, d_out", SHAPES)
+@pytest.mark.parametrize("epilogue", [None, "gelu", "gelu_new", "relu", "residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_matches_reference(onednn, tokens, d_in, d_out, epilogue, dtype):
+    """Error vs an fp64 reference at most twice torch's own (F.linear + torch ops in the same dtype), plus a tiny
+    atol; fp32 also within 1e-5 of torch."""
+    generator = torch.Generator().manual_seed(tokens + d_in)
+    x, weight = torch.randn(tokens, d_in, generator=generator), torch.randn(d_out, d_in, generator=generator)
+    weight, bias = weight * d_in ** -0.5, 0.1 * torch.randn(d_out, generator=generator)
+    residual = torch.randn(tokens, d_out, generator=generator) if epilogue == "residual" else None
+    activation = None if epilogue in (None, "residual") else epilogue
+    ref = cpu_linear.linear_ref(x.double(), weight.double(), bias.double(), activation,
+                                None if residual is None else residual.double())
+    args = [t.to(dtype) for t in (x, weight, bias)]
+    res = None if residual is None else residual.to(dtype)
+    with torch.inference_mode():
+        out = cpu_linear.linear(args[0], cpu_linear.pack(args[1]), args[2], activation, res)
+        out_torch = cpu_linear.linear_ref(*args, activation, res)
+    assert out.dtype == dtype and out.shape == (tokens, d_out)
+    err, err_torch = ((o.double() - ref).abs().max().item() for o in (out, out_torch))
+    assert err <= 2 * err_torch + (1e-6 if dtype == torch.float32 else 1e-3), (err, err_torch)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, out_torch, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_raises():
+    packed = cpu_linear.pack(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_linear.linear(torch.randn(2, 3, 4), packed, None)
+    with pytest.raises(ValueError, match="not both"):
+        cpu_linear.linear(torch.randn(2, 4), packed, None, "gelu", torch.randn(2, 8))
+
+
+FAMILY_CONFIGS = {
+    "bert": transformers.BertConfig(vocab_size=99, hidden_size=96, num_attention_heads=3, num_hidden_layers=2,
+                                    intermediate_size=160, max_position_embeddings=40),
+    "camembert-gelu_new": transformers.CamembertConfig(vocab_size=99, hidden_size=64, num_attention_heads=2,
+                                                       num_hidden_layers=2, intermediate_size=96, hidden_act="gelu_new",
+                                                       max_position_embeddings=40, type_vocab_size=1, pad_token_id=1),
+    "distilbert-relu": transformers.DistilBertConfig(vocab_size=99, dim=64, n_heads=2, n_layers=2, hidden_dim=96,
+                                                     max_position_embeddings=40, activation="relu"),
+}
+
+
+def _pair(config, head=None):
+    torch.manual_seed(0)
+    hf = (head or transformers.AutoModel.from_config)(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # biases and LayerNorm away from their init
+    return hf, fastbert.optimize(copy.deepcopy(hf))
+
+
+def _inputs(config):
+    input_ids, mask = right_padded(config, batch=4, seq_len=9)
+    pad = config.pad_token_id or 0
+    return input_ids.clamp(min=pad + 1).masked_fill(mask == 0, pad), mask
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_model_matches_hf(onednn, name):
+    config = FAMILY_CONFIGS[name]
+    hf, fast = _pair(config)
+    input_ids, mask = _inputs(config)
+    with torch.inference_mode():
+        out, out_hf = fast(input_ids, attention_mask=mask), hf(input_ids, attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(out.last_hidden_state[real], out_hf.last_hidden_state[real], rtol=0, atol=1e-4)
+    assert fastbert.info()["backends"]["gemm"] == "onednn"
+    packed = [m for m in fast.modules() if "_fastbert_derived" in m.__dict__]
+    assert packed, "no oneDNN weight was cached"
+
+
+def test_mlm_transform_matches_hf(onednn):
+    config = FAMILY_CONFIGS["bert"]
+    hf, fast = _pair(config, transformers.BertForMaskedLM)
+    input_ids, mask = _inputs(config)
+    with torch.inference_mode():
+        logits, logits_hf = fast(input_ids, attention_mask=mask).logits, hf(input_ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits[mask.bool()], logits_hf[mask.bool()], rtol=0, atol=1e-4)
+
+
+def test_packed_weights_follow_the_parameters(onednn):
+    """In-place updates, load_state_dict, a training step and .to() each reach the next inference forward."""
+    config = FAMILY_CONFIGS["bert"]
+    hf, fast = _pair(config)
+    input_ids, mask = _inputs(config)
+    real = mask.bool()
+
+    def check():
+        with torch.inference_mode():
+            out, out_hf = fast(input_ids, attention_mask=mask), hf(input_ids, attention_mask=mask)
+        tolerance = 1e-4 if out.last_hidden_state.dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(out.last_hidden_state[real], out_hf.last_hidden_state[real], rtol=0, atol=tolerance)
+
+    check()
+    with torch.no_grad():  # in place, through the parameters (their version counters move)
+        for p in fast.parameters():
+            p.mul_(0.9)
+    hf.load_state_dict(fast.state_dict())
+    check()
+    state = {k: v + 0.01 for k, v in hf.state_dict().items()}
+    fast.load_state_dict(state)
+    hf.load_state_dict(state)
+    check()
+    fast.train()  # a training step: the packed copies are dropped, then rebuilt from the updated weights
+    optimizer = torch.optim.SGD(fast.parameters(), lr=0.1)
+    fast(input_ids, attention_mask=mask).last_hidden_state.square().mean().backward()
+    optimizer.step()
+    fast.eval()
+    hf.load_state_dict(fast.state_dict())
+    check()
+    fast.to(torch.bfloat16), hf.to(torch.bfloat16)
+    assert not any("_fastbert_derived" in m.__dict__ for m in fast.modules())
+    check()
+
+
+def test_backend_torch_keeps_f_linear(monkeypatch):
+    monkeypatch.setenv("FASTBERT_BACKEND", "torch")
+    config = FAMILY_CONFIGS["bert"]
+    _, fast = _pair(config)
+    with torch.inference_mode():
+        fast(*_inputs(config))
+    assert not any("onednn" in key for m in fast.modules() for key in m.__dict__.get("_fastbert_derived", {}))
+    assert fastbert.info()["backends"]["gemm"] == "torch"
+
+
+def test_info_reports_the_measurement():
+    gemm = fastbert.info()["cpu_gemm"]
+    assert gemm["requested"] in ("auto", "onednn", "torch")
+    if not cpu_linear.unavailable_reasons(torch.float32):
+        assert set(gemm["measured_gflops"]["float32"]) == {"torch", "onednn"}
