@@ -145,16 +145,22 @@ class FusedModel(layers.Fused):
         if position_ids is None:
             position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, word.device)
         token_types = getattr(embeddings, "token_type_embeddings", None)
-        indices = validation.flat_indices(
+        packs = self._packs(batch, seq_len, attention_mask)
+        lengths = padding.sequence_lengths(attention_mask) if packs else None  # [B], read back with the check
+        indices, host_lengths = validation.flat_indices(
             torch.zeros_like(token_type_ids) if input_ids is None else input_ids,
             token_type_ids,
             position_ids.expand(batch, seq_len),
             [word.shape[0], 1 if token_types is None else token_types.weight.shape[0],
              embeddings.position_embeddings.weight.shape[0]],
             positions_name,
+            lengths,
         )  # [3, B * S]
 
-        layout = self._layout(batch, seq_len, attention_mask)
+        if packs:
+            layout = padding.unpadded_layout(attention_mask, lengths, host_lengths)
+        else:
+            layout = padding.dense_layout(batch, seq_len, attention_mask)
         if layout.packed:
             indices = indices.index_select(1, layout.indices)  # [3, N]
         embeds = None if inputs_embeds is None else padding.pack(inputs_embeds, layout)
@@ -219,21 +225,19 @@ class FusedModel(layers.Fused):
             return f"{name} being a {type(bypassed).__name__}"
         return None
 
-    def _layout(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> padding.TokenLayout:
-        """Packed when unpadding is on and the mask has padding; dense otherwise.
+    def _packs(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> bool:
+        """Whether to pack the real tokens (when the mask turns out to have padding; dense otherwise).
 
         Under torch.compile and export the dense (masked) path runs: packing sizes tensors from the data, which a
         static graph cannot do.
         """
-        if (
+        return not (
             attention_mask is None
             or not self.unpad
             or torch.compiler.is_compiling()
             or dispatch.exporting()
             or batch * seq_len == 0
-        ):
-            return padding.dense_layout(batch, seq_len, attention_mask)
-        return padding.unpadded_layout(attention_mask)
+        )
 
 
 def _register_output_capture(model) -> None:

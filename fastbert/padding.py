@@ -1,8 +1,9 @@
 """Where the real tokens are: the dense [B, S] layout, or the packed (padding-free) one.
 
 Packing finds the real tokens once per forward, so every layer runs on [total_tokens, hidden] and no GEMM, LayerNorm
-or GELU touches padding. The one host<->device sync of a padded forward is here: ``seqlens.tolist()`` sizes the packed
-tensor (and gives the CPU attention its per-sequence lengths); nothing per layer syncs.
+or GELU touches padding. It needs the sequence lengths on the host (they size the packed tensor and give the CPU
+attention its per-sequence lengths): the model reads them back together with the input range check, the one
+host<->device sync of a padded forward; nothing per layer syncs.
 """
 
 from dataclasses import dataclass
@@ -40,13 +41,24 @@ def dense_layout(batch: int, seq_len: int, attention_mask: torch.Tensor | None) 
     return TokenLayout(batch, seq_len, key_padding_mask=None if attention_mask is None else attention_mask.bool())
 
 
-def unpadded_layout(attention_mask: torch.Tensor) -> TokenLayout:
+def sequence_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
+    """attention_mask [B, S] (nonzero = real token) -> [B] int32 real tokens per row, on the mask's device."""
+    return attention_mask.bool().sum(dim=1, dtype=torch.int32)
+
+
+def unpadded_layout(attention_mask: torch.Tensor, seqlens: torch.Tensor | None = None,
+                    host_seqlens: tuple[int, ...] | None = None) -> TokenLayout:
     """attention_mask [B, S] (nonzero = real token) -> the packed layout of its real tokens, or the dense layout
-    without a mask when there is no padding at all (packing would only cost). One host sync (the sequence lengths)."""
+    without a mask when there is no padding at all (packing would only cost).
+
+    seqlens / host_seqlens: ``sequence_lengths(attention_mask)`` and its host copy when the caller has them (the
+    model reads them back with its range check); otherwise computed here, with one host sync."""
     batch, seq_len = attention_mask.shape
     keep = attention_mask.bool()
-    seqlens = keep.sum(dim=1, dtype=torch.int32)  # [B]
-    host_seqlens = tuple(seqlens.tolist())  # the sync: sizes the packed tensor
+    if seqlens is None:
+        seqlens = sequence_lengths(attention_mask)  # [B]
+    if host_seqlens is None:
+        host_seqlens = tuple(seqlens.tolist())  # the sync: sizes the packed tensor
     if all(n == seq_len for n in host_seqlens):
         return dense_layout(batch, seq_len, None)
     # Real tokens in row-major order (row 0's, then row 1's, ...), without a second sync: each real token's packed

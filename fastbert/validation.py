@@ -114,15 +114,20 @@ def checked_indices(
     if stacked.numel() == 0:
         return stacked
     low, high = torch.aminmax(stacked, dim=1)
-    spans = torch.stack([low, high], dim=1).tolist()  # the one host sync of the checks: [[min, max]] x 3
+    _check_spans(torch.stack([low, high], dim=1).flatten().tolist(), limits, positions_name)  # the host sync
+    return stacked
+
+
+def _check_spans(spans: list[int], limits: list[int], positions_name: str) -> None:
+    """spans: [min, max] of ids, token types and positions, flattened (6 values read back from the device)."""
     names = ("input_ids", "token_type_ids", positions_name)
     tables = ("vocab_size", "type_vocab_size", "max_position_embeddings")
-    for name, table, limit, (lo, hi) in zip(names, tables, limits, spans):
+    for i, (name, table, limit) in enumerate(zip(names, tables, limits)):
+        lo, hi = spans[2 * i], spans[2 * i + 1]
         if lo < 0 or hi >= limit:
             raise ValueError(
                 f"{name} out of range: values span [{lo}, {hi}] but must lie in [0, {limit}) ({table}={limit})"
             )
-    return stacked
 
 
 @checked_indices.register_fake
@@ -130,13 +135,25 @@ def _(input_ids, token_type_ids, position_ids, limits, positions_name="position_
     return input_ids.new_empty((3, input_ids.numel()), dtype=torch.long)
 
 
-def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int],
-                 positions_name: str = "position_ids") -> torch.Tensor:
-    """The [3, B*S] int64 index tensor, range-checked unless checks are off.
+def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int], positions_name: str = "position_ids",
+                 lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """(the [3, B*S] int64 index tensor, range-checked unless checks are off; ``lengths`` read back to the host).
 
+    lengths: [B] sequence lengths on the device that packing needs on the host, or None. They are read back in the
+    same transfer as the range check's spans, so a padded forward syncs with the device once (eager only: packing
+    never runs under torch.compile, where the check is the registered op).
     Not checked where the data cannot be read: while exporting (the exported graph has no data; the kernels and
     torch ops clamp), or on the meta device.
     """
-    if _checks_enabled and input_ids.device.type != "meta" and not dispatch.exporting():
-        return checked_indices(input_ids, token_type_ids, position_ids, limits, positions_name)
-    return torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()
+    checks = _checks_enabled and input_ids.device.type != "meta" and not dispatch.exporting()
+    if lengths is None:
+        if checks:
+            return checked_indices(input_ids, token_type_ids, position_ids, limits, positions_name), None
+        return torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long(), None
+    stacked = torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()
+    if not checks or stacked.numel() == 0:
+        return stacked, tuple(lengths.tolist())
+    low, high = torch.aminmax(stacked, dim=1)
+    host = torch.cat([torch.stack([low, high], dim=1).flatten(), lengths.long()]).tolist()  # the one host sync
+    _check_spans(host[:6], limits, positions_name)
+    return stacked, tuple(host[6:])

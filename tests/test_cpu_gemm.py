@@ -156,3 +156,24 @@ def test_info_reports_the_measurement():
     assert gemm["requested"] in ("auto", "onednn", "torch")
     if not cpu_linear.unavailable_reasons(torch.float32):
         assert set(gemm["measured_gflops"]["float32"]) == {"torch", "onednn"}
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+def test_bf16_error_within_hf_bf16_error(monkeypatch, gemm):
+    """bf16 on CPU: fastbert's error vs the fp32 model at most 1.2x transformers' own bf16 error (mean and max over
+    real tokens), with either GEMM library. Statistics (LayerNorm, softmax) stay fp32 inside the ops."""
+    if gemm == "onednn" and cpu_linear.unavailable_reasons(torch.bfloat16):
+        pytest.skip("; ".join(cpu_linear.unavailable_reasons(torch.bfloat16)))
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", gemm)
+    config = transformers.BertConfig(vocab_size=99, hidden_size=256, num_attention_heads=4, num_hidden_layers=4,
+                                     intermediate_size=1024, max_position_embeddings=64)
+    reference, _ = _pair(config)
+    hf, fast = copy.deepcopy(reference).bfloat16(), fastbert.optimize(copy.deepcopy(reference)).bfloat16()
+    input_ids, mask = right_padded(config, batch=8, seq_len=48)
+    real = mask.bool()
+    with torch.inference_mode():
+        expected = reference(input_ids, attention_mask=mask).last_hidden_state[real]
+        errors = {name: (m(input_ids, attention_mask=mask).last_hidden_state[real].float() - expected).abs()
+                  for name, m in (("fastbert", fast), ("hf", hf))}
+    for stat in (torch.mean, torch.amax):
+        assert stat(errors["fastbert"]) <= 1.2 * stat(errors["hf"]), (stat.__name__, errors)

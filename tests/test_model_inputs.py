@@ -170,3 +170,37 @@ def test_every_row_padded(model, unpad):
     assert torch.isfinite(out.last_hidden_state).all() and torch.isfinite(out.pooler_output).all()
     if unpad:
         assert (out.last_hidden_state == 0).all()
+
+
+READ_BACKS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def read_backs(monkeypatch):
+    """Counts every host read of tensor data (on a GPU, each is a device sync) during the test."""
+    counts = []
+    for name in READ_BACKS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            counts.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("checks", [True, False], ids=["checks-on", "checks-off"])
+@pytest.mark.parametrize("case", ["padded", "no-padding", "no-mask"])
+def test_one_host_read_per_forward(model, read_backs, case, checks, monkeypatch):
+    """A padded forward reads device data back once (range check and sequence lengths in one transfer); with the
+    checks off, only the lengths are read, and a forward without a mask reads nothing."""
+    monkeypatch.setattr(fastbert.validation, "_checks_enabled", checks)
+    input_ids = ids(3, 7)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    if case == "padded":
+        mask[1, 4:] = 0
+    with torch.inference_mode():
+        model(input_ids, attention_mask=None if case == "no-mask" else mask)
+    expected = 0 if (case == "no-mask" and not checks) else 1
+    assert len(read_backs) == expected, read_backs
