@@ -64,7 +64,7 @@ def _why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> s
 def linear(x: torch.Tensor, dense: nn.Module) -> torch.Tensor:
     """``dense(x)``: a plain nn.Linear's GEMM (oneDNN or F.linear, no module-call overhead), otherwise the module."""
     if is_plain(dense, nn.Linear, x.device):
-        y = _onednn_linear(x, dense, _why_reference(x, dense.weight))
+        y = _onednn_linear(x, dense, _why_reference(x, dense.weight)) if x.device.type == "cpu" else None
         return F.linear(x, dense.weight, dense.bias) if y is None else y
     return dense(x)
 
@@ -75,6 +75,8 @@ def _onednn_linear(x: torch.Tensor, dense: nn.Module, why: str | None, activatio
     or None where it does not apply: not CPU, a wrapped dense, ``why`` (gradients), autocast (which would not reach
     oneDNN's op), torch.func transforms, a weight that is not the module's parameter (nothing to cache it with), or
     dispatch keeping F.linear on this CPU."""
+    if x.device.type != "cpu":
+        return None
     if why is not None:
         # Training (gradients, dropout): the weights are about to change, possibly through buffers that alias them
         # (ZeRO, FSDP) where no version counter sees it, so the packed copy goes, as the fused QKV weight does.
@@ -87,9 +89,9 @@ def _onednn_linear(x: torch.Tensor, dense: nn.Module, why: str | None, activatio
 
 
 def _onednn_applies(x: torch.Tensor, weights: tuple, why: str | None = None) -> bool:
+    """Whether a CPU GEMM of ``x`` with ``weights`` runs through oneDNN (see ``_onednn_linear``)."""
     return (
-        x.device.type == "cpu"
-        and not torch.compiler.is_compiling()  # (compiled and exported graphs keep F.linear)
+        not torch.compiler.is_compiling()  # (compiled and exported graphs keep F.linear)
         and not dispatch.exporting()
         and all(type(w) is nn.Parameter for w in weights)
         and not torch.is_autocast_enabled("cpu")
@@ -157,7 +159,7 @@ def qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.
         derived.discard(query, "qkv")
         derived.discard(query, "qkv_onednn")
         weight, bias = torch.cat(params[:3]), torch.cat(params[3:])
-    elif _onednn_applies(x, params, _why_reference(x)):  # (gradients may still flow to x)
+    elif x.device.type == "cpu" and _onednn_applies(x, params, _why_reference(x)):  # (gradients may reach x)
         weight, bias = derived.cached(query, "qkv_onednn", params, _stack_and_pack_qkv)
         return cpu_linear.linear(x, weight, bias)
     else:
