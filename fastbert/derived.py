@@ -19,6 +19,18 @@ from torch import nn
 _ATTRIBUTE = "_fastbert_derived"  # on the owning module: {name: (key, value)}
 
 
+class _Entries(dict):
+    """The cache on a module. Copies and pickles of the module start empty (rebuilt on their first forward): the
+    entries may hold tensors that cannot be copied or pickled (oneDNN's packed weights), and a copy's parameters are
+    other tensors anyway."""
+
+    def __deepcopy__(self, memo):
+        return _Entries()
+
+    def __reduce__(self):
+        return _Entries, ()
+
+
 def _key(params: tuple[torch.Tensor, ...]) -> tuple:
     return tuple((p, p._version, p.data_ptr(), p.dtype, p.device) for p in params)
 
@@ -46,7 +58,7 @@ def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build)
     # Outside inference mode, so the result is a normal tensor usable by later no-grad forwards too.
     with torch.inference_mode(False), torch.no_grad():
         value = build(*(p.detach() for p in params))
-    owner.__dict__[_ATTRIBUTE] = {**entries, name: (_key(params), value)}  # one assignment publishes it
+    owner.__dict__[_ATTRIBUTE] = _Entries({**entries, name: (_key(params), value)})  # one assignment publishes it
     return value
 
 
@@ -54,7 +66,7 @@ def discard(owner: nn.Module, name: str) -> None:
     """Drop ``owner``'s cached ``name`` (a training forward calls this: the weights are about to change)."""
     entries = owner.__dict__.get(_ATTRIBUTE)
     if entries and name in entries:
-        owner.__dict__[_ATTRIBUTE] = {k: v for k, v in entries.items() if k != name}
+        owner.__dict__[_ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
 
 
 def clear(module: nn.Module) -> None:

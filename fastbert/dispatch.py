@@ -109,7 +109,10 @@ def _onednn_reasons(dtype: torch.dtype) -> list[str]:
     if requested == "torch":
         reasons.append(f"{ENV_CPU_GEMM}=torch")
     elif not reasons and requested == "auto":
-        gflops = cpu_linear.measure(dtype)
+        try:
+            gflops = cpu_linear.measure(dtype)
+        except RuntimeError as error:  # oneDNN refusing this CPU or dtype: keep F.linear, never fail the forward
+            return [f"oneDNN linear failed here: {error}"]
         if gflops["onednn"] <= gflops["torch"]:
             reasons.append(f"measured slower than torch's F.linear on this CPU ({gflops['onednn']} vs "
                            f"{gflops['torch']} GFLOP/s, {dtype})")
@@ -123,7 +126,7 @@ def choose(op: str, tensor: torch.Tensor, needs_reference: str | None = None) ->
     if exporting() or (op == "gemm" and torch.compiler.is_compiling()):
         return "torch"  # exporters trace plain torch ops: no custom op reaches an ONNX or ExportedProgram graph
     key = (op, tensor.device, tensor.dtype, needs_reference, requested_backend(), triton_interpreter(),
-           requested_cpu_gemm() if op == "gemm" else None)
+           (requested_cpu_gemm(), torch.backends.mkldnn.enabled) if op == "gemm" else None)
     if key not in _plans:
         _plans[key] = _plan(*key)
     backend, warning = _plans[key]
@@ -146,6 +149,7 @@ _plans: dict[tuple, tuple[str, str | None]] = {}  # choose()'s key -> (backend, 
 
 
 def _plan(op, device, dtype, needs_reference, requested, interpreter, cpu_gemm) -> tuple[str, str | None]:
+    """cpu_gemm: (FASTBERT_CPU_GEMM, torch.backends.mkldnn.enabled) for the gemm op, else None."""
     if requested == "torch":
         return "torch", None
     options = candidates(op, device, dtype)
@@ -153,7 +157,7 @@ def _plan(op, device, dtype, needs_reference, requested, interpreter, cpu_gemm) 
         best = next(b for b, reasons in options.items() if not reasons)
         if needs_reference:
             return "torch", None
-        if cpu_gemm == "onednn" and best != "onednn":
+        if cpu_gemm[0] == "onednn" and best != "onednn":
             raise RuntimeError(f"{ENV_CPU_GEMM}=onednn but oneDNN cannot run here: " + "; ".join(options["onednn"]))
         # Keeping F.linear (what transformers runs) is never slower than HF nor less precise: reported by
         # fastbert.info(), not warned.

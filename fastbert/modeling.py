@@ -130,6 +130,8 @@ class FusedModel(layers.Fused):
                               "for this call")
             return super(FusedModel, self).forward(**kwargs)
         inputs = {name: kwargs.pop(name, None) for name in _INPUTS}
+        if not hasattr(self.embeddings, "token_type_embeddings"):
+            inputs["token_type_ids"] = None  # (DistilBERT: transformers ignores them too, e.g. a pair tokenizer's)
         input_ids, attention_mask, inputs_embeds = inputs["input_ids"], inputs["attention_mask"], inputs["inputs_embeds"]
         embeddings = self.embeddings
         word = embeddings.word_embeddings.weight

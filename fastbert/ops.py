@@ -64,7 +64,7 @@ def _why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> s
 def linear(x: torch.Tensor, dense: nn.Module) -> torch.Tensor:
     """``dense(x)``: a plain nn.Linear's GEMM (oneDNN or F.linear, no module-call overhead), otherwise the module."""
     if is_plain(dense, nn.Linear, x.device):
-        y = _onednn_linear(x, dense, _why_reference(x, dense.weight)) if x.device.type == "cpu" else None
+        y = _onednn_linear(x, dense, _why_reference(x, dense.weight, dense.bias)) if x.device.type == "cpu" else None
         return F.linear(x, dense.weight, dense.bias) if y is None else y
     return dense(x)
 
@@ -77,12 +77,15 @@ def _onednn_linear(x: torch.Tensor, dense: nn.Module, why: str | None, activatio
     dispatch keeping F.linear on this CPU."""
     if x.device.type != "cpu":
         return None
-    if why is not None:
+    plain = is_plain(dense, nn.Linear, x.device)
+    if why is not None or not plain:
         # Training (gradients, dropout): the weights are about to change, possibly through buffers that alias them
-        # (ZeRO, FSDP) where no version counter sees it, so the packed copy goes, as the fused QKV weight does.
-        derived.discard(dense, "onednn_weight")
+        # (ZeRO, FSDP) where no version counter sees it, so the packed copy goes, as the fused QKV weight does. A
+        # wrapper (LoRA) may later write into the Linear it wraps through ``.data`` (``merge_and_unload``): the copy
+        # cached on that Linear before it was wrapped goes too.
+        derived.clear(dense)
         return None
-    if not is_plain(dense, nn.Linear, x.device) or not _onednn_applies(x, (dense.weight,)):
+    if not _onednn_applies(x, (dense.weight,)):
         return None
     packed = derived.cached(dense, "onednn_weight", (dense.weight,), cpu_linear.pack)
     return cpu_linear.linear(x, packed, dense.bias, activation, residual)
@@ -115,7 +118,7 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
     ln = embeddings.LayerNorm
     input_ids, token_type_ids, position_ids = indices.unbind(0)
     p = embeddings.dropout.p if embeddings.training else 0.0
-    why = _why_reference(word, position, token_type, ln.weight, inputs_embeds, dropout_p=p)
+    why = _why_reference(word, position, token_type, ln.weight, ln.bias, inputs_embeds, dropout_p=p)
     if inputs_embeds is not None:
         why = why or "inputs_embeds replaces the fused word-embedding lookup"
     tables = dict(word_embeddings=(word_embeddings, nn.Embedding), position_embeddings=(position_embeddings, nn.Embedding),
@@ -151,6 +154,9 @@ def qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.
     (LoRA, hooks) are called as modules.
     """
     if not all(is_plain(m, nn.Linear, x.device) for m in (query, key, value)):
+        # A wrapper (LoRA) may later write into the Linear it wraps through ``.data`` (``merge_and_unload``): what
+        # was cached on ``query`` before it was wrapped goes.
+        derived.clear(query)
         return torch.cat([query(x), key(x), value(x)], dim=-1)
     params = (query.weight, key.weight, value.weight, query.bias, key.bias, value.bias)
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
@@ -234,8 +240,8 @@ def dense_residual_layer_norm(
     """LayerNorm(dropout(dense(x)) + residual): BertSelfOutput and BertOutput (``dropout`` None: none, as after
     DistilBERT's attention projection)."""
     p = dropout.p if dropout is not None and dropout.training else 0.0
-    why_gemm = _why_reference(x, getattr(dense, "weight", None), residual, dropout_p=p)
-    why = why_gemm or _why_reference(getattr(layer_norm, "weight", None))
+    why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None), residual, dropout_p=p)
+    why = why_gemm or _why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     if dispatch.choose("layer_norm", x, why) == "triton":
         # A plain dense runs its GEMM without the bias, and the kernel adds bias and residual and normalizes in one
@@ -254,7 +260,7 @@ def dense_residual_layer_norm(
 def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Tensor:
     """act(dense(x)): BertIntermediate. ``act_fn`` is HF's activation module."""
     activation = fused_activation(act_fn)
-    why_gemm = _why_reference(x, getattr(dense, "weight", None))
+    why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
     why = why_gemm or _why_no_kernel(act_fn, activation)
     if dispatch.choose("bias_act", x, why) == "triton":
         if is_plain(dense, nn.Linear, x.device):
@@ -269,8 +275,9 @@ def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Ten
 def dense_act_layer_norm(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module, layer_norm: nn.Module) -> torch.Tensor:
     """LayerNorm(act(dense(x))): the MLM head transform (BertPredictionHeadTransform)."""
     activation = fused_activation(act_fn)
-    why_gemm = _why_reference(x, getattr(dense, "weight", None))
-    why = why_gemm or _why_reference(layer_norm.weight) or _why_no_kernel(act_fn, activation)
+    why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
+    why = why_gemm or _why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
+    why = why or _why_no_kernel(act_fn, activation)
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     if dispatch.choose("act_layer_norm", x, why) == "triton":
         ln = layer_norm

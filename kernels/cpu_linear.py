@@ -13,6 +13,7 @@ bf16 the bias, residual and activation see one rounding fewer than ``F.linear`` 
 """
 
 import statistics
+import threading
 import time
 
 import torch
@@ -42,6 +43,10 @@ def unavailable_reasons(dtype: torch.dtype) -> list[str]:
     reasons = []
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         reasons.append("this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)")
+    elif not torch.backends.mkldnn.enabled:
+        reasons.append("torch.backends.mkldnn.enabled is False")
+    elif dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        reasons.append("oneDNN's bf16 linear needs AVX-512 (BW/VL/DQ) or AMX, which this CPU lacks")
     if dtype not in DTYPES:
         reasons.append(f"oneDNN linear runs float32/bfloat16 here, not {dtype}")
     return reasons
@@ -66,11 +71,17 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act
 
 
 _measured: dict[torch.dtype, dict[str, float]] = {}
+_measuring = threading.Lock()  # concurrent first forwards: one measurement, not two timing each other
 
 
 def measure(dtype: torch.dtype) -> dict[str, float]:
     """GFLOP/s of torch's ``F.linear`` and of the packed oneDNN linear on a [512, 768] x [768, 768]^T GEMM in
     ``dtype`` with torch's current thread count (median of 5 after 2 warm-ups; ~20 ms, once per dtype)."""
+    with _measuring:
+        return _measure(dtype)
+
+
+def _measure(dtype: torch.dtype) -> dict[str, float]:
     if dtype not in _measured:
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(512, 768, generator=generator).to(dtype)

@@ -177,3 +177,62 @@ def test_bf16_error_within_hf_bf16_error(monkeypatch, gemm):
                   for name, m in (("fastbert", fast), ("hf", hf))}
     for stat in (torch.mean, torch.amax):
         assert stat(errors["fastbert"]) <= 1.2 * stat(errors["hf"]), (stat.__name__, errors)
+
+
+def test_copies_and_pickles_after_a_forward(onednn):
+    """The packed weights cannot be copied or pickled; a copy starts without them and rebuilds its own."""
+    import io
+
+    config = FAMILY_CONFIGS["bert"]
+    hf, fast = _pair(config)
+    input_ids, mask = _inputs(config)
+    with torch.inference_mode():
+        before = fast(input_ids, attention_mask=mask).last_hidden_state
+    twin = copy.deepcopy(fast)
+    buffer = io.BytesIO()
+    torch.save(fast, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)  # a whole module, saved by this test
+    with torch.inference_mode():
+        for model in (twin, loaded):
+            torch.testing.assert_close(model(input_ids, attention_mask=mask).last_hidden_state, before)
+
+
+def test_bias_only_training_gets_bias_gradients(onednn):
+    """Frozen weights, trainable biases (BitFit): every bias gets HF's gradient (oneDNN's op has no autograd)."""
+    config = FAMILY_CONFIGS["bert"]
+    hf, fast = _pair(config)
+    for model in (hf, fast):
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.endswith("bias"))
+    input_ids, mask = _inputs(config)
+    grads = []
+    for model in (fast, hf):
+        model(input_ids, attention_mask=mask).last_hidden_state[mask.bool()].sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[1].items():
+        if grad is not None:
+            assert grads[0][name] is not None, name
+            torch.testing.assert_close(grads[0][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_lora_merge_after_inference_is_seen(onednn):
+    """Inference, then LoRA on every dense, training, merge_and_unload (which writes through ``.data``): the next
+    forward uses the merged weights, not a copy cached before the LoRA wrap."""
+    peft = pytest.importorskip("peft")
+    config = FAMILY_CONFIGS["bert"]
+    _, fast = _pair(config)
+    input_ids, mask = _inputs(config)
+    with torch.inference_mode():
+        fast(input_ids, attention_mask=mask)  # caches packed weights on the plain Linears
+    lora = peft.get_peft_model(fast, peft.LoraConfig(target_modules=["query", "value", "dense"], r=4,
+                                                     init_lora_weights=False))
+    lora.train()
+    lora(input_ids=input_ids, attention_mask=mask).last_hidden_state.sum().backward()
+    merged = lora.merge_and_unload().eval()
+    with torch.inference_mode():
+        out = merged(input_ids, attention_mask=mask).last_hidden_state
+        fastbert.clear_caches(merged)
+        fresh = merged(input_ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, fresh, rtol=0, atol=0)

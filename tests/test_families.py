@@ -346,3 +346,13 @@ def test_subclass_keeps_its_own_forward():
     input_ids, mask = inputs(family.config, 2, 5)
     doubled, once = run([model, plain], input_ids, attention_mask=mask)
     torch.testing.assert_close(doubled.last_hidden_state, 2 * once.last_hidden_state)
+
+
+def test_distilbert_ignores_token_type_ids(assert_matches_hf):
+    """DistilBERT has no token types; transformers ignores ``token_type_ids`` (a pair tokenizer's 1s), so does
+    fastbert."""
+    family = FAMILIES["distilbert"]
+    models = trio(family)
+    input_ids, mask = inputs(family.config, 3, 7)
+    outs = run(models, input_ids, attention_mask=mask, token_type_ids=torch.ones_like(input_ids))
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
