@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from .kernels._common import direct_launch
 from .kernels.embedding import check_embedding_args
 
 try:
@@ -90,26 +91,8 @@ def _check_embedding_args(input_ids, position_ids, token_type_ids, word, positio
         raise TypeError(f"the C++ CPU kernel takes float32 or bfloat16, not {word.dtype}")
 
 
-@torch.library.custom_op("fastbert::embedding_layer_norm_ext", mutates_args=())
-def embedding_layer_norm(
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    token_type_ids: torch.Tensor,
-    word: torch.Tensor,
-    position: torch.Tensor,
-    token_type: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """``LayerNorm(word[input_ids] + position[position_ids] + token_type[token_type_ids]) * weight + bias``.
-
-    input_ids, position_ids, token_type_ids: [tokens] int64 (dense [B*S] or packed); word: [vocab, hidden],
-    position: [max_positions, hidden], token_type: [type_vocab, hidden], weight, bias: [hidden], one float dtype
-    (float32/bfloat16 on CPU, also float16 on CUDA), one device. Returns [tokens, hidden]; statistics in fp32.
-    Indices outside a table are clamped into it (callers validate ranges first). Raises TypeError/ValueError
-    before any launch when the arguments do not fit; non-contiguous inputs are copied, not refused.
-    """
+def _embedding_layer_norm_launch(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias,
+                                 eps) -> torch.Tensor:
     _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     if _C is None:
         raise RuntimeError(_IMPORT_ERROR)
@@ -128,7 +111,37 @@ def embedding_layer_norm(
     return out
 
 
-@embedding_layer_norm.register_fake
+@torch.library.custom_op("fastbert::embedding_layer_norm_ext", mutates_args=())
+def _embedding_layer_norm_op(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    token_type_ids: torch.Tensor,
+    word: torch.Tensor,
+    position: torch.Tensor,
+    token_type: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    return _embedding_layer_norm_launch(input_ids, position_ids, token_type_ids, word, position, token_type, weight,
+                                        bias, eps)
+
+
+@_embedding_layer_norm_op.register_fake
 def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
     _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     return word.new_empty((input_ids.shape[0], word.shape[1]))
+
+
+def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+    """``LayerNorm(word[input_ids] + position[position_ids] + token_type[token_type_ids]) * weight + bias``.
+
+    input_ids, position_ids, token_type_ids: [tokens] int64 (dense [B*S] or packed); word: [vocab, hidden],
+    position: [max_positions, hidden], token_type: [type_vocab, hidden], weight, bias: [hidden], one float dtype
+    (float32/bfloat16 on CPU, also float16 on CUDA), one device. Returns [tokens, hidden]; statistics in fp32.
+    Indices outside a table are clamped into it (callers validate ranges first). Raises TypeError/ValueError
+    before any launch when the arguments do not fit; non-contiguous inputs are copied, not refused.
+    """
+    tensors = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
+    run = _embedding_layer_norm_launch if direct_launch(*tensors) else _embedding_layer_norm_op
+    return run(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)

@@ -9,7 +9,8 @@ This is the Triton version; the C++/CUDA one lives in csrc/ and is preferred whe
 import torch
 import torch.nn.functional as F
 
-from ._common import calculate_settings, check_float, check_last_dim_contiguous, check_like, for_device, tl, triton
+from ._common import (calculate_settings, check_float, check_last_dim_contiguous, check_like, direct_launch,
+                      for_device, tl, triton)
 from .layer_norm import _normalize_row
 
 
@@ -169,7 +170,7 @@ def _embedding_layer_norm_launch(
 
 # The C++/CUDA extension registers its own op; this one is the Triton version, hence the suffix.
 @torch.library.custom_op("fastbert::embedding_layer_norm_triton", mutates_args=())
-def embedding_layer_norm(
+def _embedding_layer_norm_op(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     token_type_ids: torch.Tensor,
@@ -180,6 +181,18 @@ def embedding_layer_norm(
     bias: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
+    return _embedding_layer_norm_launch(
+        input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps
+    )
+
+
+@_embedding_layer_norm_op.register_fake
+def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+    _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
+    return word.new_empty((input_ids.shape[0], word.shape[1]))
+
+
+def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
     """``LayerNorm(word[ids] + position[pos] + token_type[tt])`` in one pass, statistics in fp32.
 
     input_ids, position_ids, token_type_ids: [tokens] int64 (or int32), any stride, on the tables' device; ids
@@ -188,12 +201,6 @@ def embedding_layer_norm(
     all of one float dtype. Returns a new contiguous [tokens, H] tensor in that dtype. Same semantics as
     ``embedding_layer_norm_ref(..., upcast=True)`` on in-range ids.
     """
-    return _embedding_layer_norm_launch(
-        input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps
-    )
-
-
-@embedding_layer_norm.register_fake
-def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
-    _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
-    return word.new_empty((input_ids.shape[0], word.shape[1]))
+    tensors = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
+    run = _embedding_layer_norm_launch if direct_launch(*tensors) else _embedding_layer_norm_op
+    return run(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)

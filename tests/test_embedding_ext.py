@@ -119,7 +119,7 @@ def test_raw_bindings_refuse_empty_tables():
 def test_opcheck(dtype):
     for n_tokens, hidden in ((37, 26), (0, 8)):
         inputs = make_inputs(n_tokens, hidden, dtype)
-        torch.library.opcheck(_extension.embedding_layer_norm, (*inputs, 1e-12))
+        torch.library.opcheck(_extension._embedding_layer_norm_op, (*inputs, 1e-12))
 
 
 def test_build_info():
@@ -188,4 +188,4 @@ def test_cuda_runs_on_the_current_stream(cuda_device):
 
 def test_cuda_opcheck(cuda_device):
     inputs = make_inputs(37, 312, torch.bfloat16, cuda_device)
-    torch.library.opcheck(_extension.embedding_layer_norm, (*inputs, 1e-12))
+    torch.library.opcheck(_extension._embedding_layer_norm_op, (*inputs, 1e-12))

@@ -11,6 +11,7 @@ import torch
 from fastbert.kernels._common import calculate_settings, compilable, compile_for_gpu
 from fastbert.kernels.embedding import (
     _embedding_layer_norm_kernel,
+    _embedding_layer_norm_op,
     embedding_layer_norm,
     embedding_layer_norm_ref,
 )
@@ -81,7 +82,7 @@ def test_embedding_empty(device):
 def test_embedding_opcheck():
     """torch.library's checks of the registered op: schema, fake (meta) impl, autograd registration, AOT dispatch."""
     args = (*make_ids(7, "cpu"), *make_tables(26, torch.float32, "cpu"), 1e-12)
-    torch.library.opcheck(embedding_layer_norm, args)
+    torch.library.opcheck(_embedding_layer_norm_op, args)
 
 
 @pytest.mark.skipif(not compilable(_embedding_layer_norm_kernel), reason="TRITON_INTERPRET=1 at import")

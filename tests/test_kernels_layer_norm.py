@@ -162,3 +162,26 @@ def test_layer_norm_errors():
         layer_norm(torch.randn(26, 7).t(), weight, ln_bias, 1e-5)
     with pytest.raises(ValueError, match="eps"):
         layer_norm(x, weight, ln_bias, -1.0)
+
+
+def test_eager_calls_skip_the_registered_op(monkeypatch):
+    """Eager calls on plain tensors run the launcher directly (the op's dispatcher costs host time per launch);
+    fake tensors (tracing, export) still go through the registered op and its fake implementation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fastbert.kernels import _common
+    from fastbert.kernels import layer_norm as module
+
+    x, weight, bias = torch.randn(3, 26), torch.randn(26), torch.randn(26)
+    assert _common.direct_launch(x)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        assert not _common.direct_launch(fake)
+        assert module.layer_norm(fake, mode.from_tensor(weight), mode.from_tensor(bias), 1e-5).shape == (3, 26)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the eager call went through the registered op")
+
+    monkeypatch.setattr(module, "_layer_norm_op", must_not_run)
+    out = module.layer_norm(x, weight, bias, 1e-5)
+    torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (26,), weight, bias, 1e-5), rtol=1e-5, atol=1e-5)
