@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from .kernels._common import direct_launch
+from .kernels._common import launch_or_op
 from .kernels.embedding import check_embedding_args
 
 try:
@@ -142,6 +142,5 @@ def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position
     Indices outside a table are clamped into it (callers validate ranges first). Raises TypeError/ValueError
     before any launch when the arguments do not fit; non-contiguous inputs are copied, not refused.
     """
-    tensors = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
-    run = _embedding_layer_norm_launch if direct_launch(*tensors) else _embedding_layer_norm_op
-    return run(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
+    return launch_or_op(_embedding_layer_norm_launch, _embedding_layer_norm_op,
+                        input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)

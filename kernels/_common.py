@@ -169,6 +169,11 @@ def direct_launch(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+def launch_or_op(launch, op, *args):
+    """``launch(*args)`` where ``direct_launch`` allows it (eager, plain tensors), else the registered ``op(*args)``."""
+    return (launch if direct_launch(*(a for a in args if isinstance(a, torch.Tensor))) else op)(*args)
+
+
 def calculate_settings(n: int) -> tuple[int, int]:
     """(BLOCK_SIZE, num_warps) for a kernel that holds one row of ``n`` elements per program.
 

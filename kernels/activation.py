@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._common import check_float, check_last_dim_contiguous, check_like, direct_launch, for_device, tl, triton
+from ._common import check_float, check_last_dim_contiguous, check_like, for_device, launch_or_op, tl, triton
 
 # HF ``hidden_act`` name -> the function our kernels compute. "gelu_new" and "gelu_pytorch_tanh" are the same tanh
 # approximation written two ways; "gelu" is the exact erf form.
@@ -163,6 +163,4 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> tor
     Returns a new contiguous [tokens, features] tensor in x's dtype. CUDA tensors run the compiled kernel, CPU
     tensors Triton's interpreter (slow: for tests).
     """
-    if direct_launch(x, bias):
-        return _bias_act_launch(x, bias, activation)
-    return _bias_act_op(x, bias, activation)
+    return launch_or_op(_bias_act_launch, _bias_act_op, x, bias, activation)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ._common import check_float, check_last_dim_contiguous, direct_launch, for_device, interpreting, tl, triton
+from ._common import check_float, check_last_dim_contiguous, for_device, interpreting, launch_or_op, tl, triton
 
 
 def attention_ref(
@@ -319,9 +319,7 @@ def attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -
     are computed too (they attend to the real keys); a row whose keys are all masked is zeros.
     fp32 on CUDA multiplies in TF32 only where torch allows it for fp32 matmuls (``allow_tf32``/``fp32_precision``).
     """
-    if direct_launch(qkv, key_padding_mask):
-        return _attention_padded_launch(qkv, key_padding_mask)
-    return _attention_op(qkv, key_padding_mask)
+    return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask)
 
 
 def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
@@ -330,6 +328,4 @@ def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: in
     sequence (not checked: that would need a device sync; rows past max_seqlen would be left unwritten)
     -> out [T, H, D], contiguous. Same semantics as ``attention_varlen_ref``.
     """
-    if direct_launch(qkv, cu_seqlens):
-        return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen)
-    return _attention_varlen_op(qkv, cu_seqlens, max_seqlen)
+    return launch_or_op(_attention_varlen_launch, _attention_varlen_op, qkv, cu_seqlens, max_seqlen)

@@ -9,8 +9,8 @@ This is the Triton version; the C++/CUDA one lives in csrc/ and is preferred whe
 import torch
 import torch.nn.functional as F
 
-from ._common import (calculate_settings, check_float, check_last_dim_contiguous, check_like, direct_launch,
-                      for_device, tl, triton)
+from ._common import (calculate_settings, check_float, check_last_dim_contiguous, check_like, for_device,
+                      launch_or_op, tl, triton)
 from .layer_norm import _normalize_row
 
 
@@ -201,6 +201,5 @@ def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position
     all of one float dtype. Returns a new contiguous [tokens, H] tensor in that dtype. Same semantics as
     ``embedding_layer_norm_ref(..., upcast=True)`` on in-range ids.
     """
-    tensors = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)
-    run = _embedding_layer_norm_launch if direct_launch(*tensors) else _embedding_layer_norm_op
-    return run(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
+    return launch_or_op(_embedding_layer_norm_launch, _embedding_layer_norm_op,
+                        input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)

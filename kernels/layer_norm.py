@@ -8,8 +8,8 @@ x, residual: [tokens, hidden]; bias, weight, ln_bias: [hidden]. Statistics in fp
 import torch
 import torch.nn.functional as F
 
-from ._common import (calculate_settings, check_float, check_last_dim_contiguous, check_like, direct_launch,
-                      for_device, tl, triton)
+from ._common import (calculate_settings, check_float, check_last_dim_contiguous, check_like, for_device,
+                      launch_or_op, tl, triton)
 from .activation import _apply_activation, activation_kind, activation_ref
 
 
@@ -185,6 +185,4 @@ def layer_norm(
     Returns a new contiguous [tokens, hidden] tensor in x's dtype; mean and variance are computed in fp32.
     CUDA tensors run the compiled kernel, CPU tensors Triton's interpreter (slow: for tests).
     """
-    if direct_launch(x, weight, ln_bias, bias, residual):
-        return _layer_norm_launch(x, weight, ln_bias, eps, bias, residual, activation)
-    return _layer_norm_op(x, weight, ln_bias, eps, bias, residual, activation)
+    return launch_or_op(_layer_norm_launch, _layer_norm_op, x, weight, ln_bias, eps, bias, residual, activation)
