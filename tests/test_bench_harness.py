@@ -268,7 +268,8 @@ def test_main_checks_against_a_wider_reference(dtype, rule, monkeypatch, capsys)
     assert rule in capsys.readouterr().out
 
 
-def test_main_fails_loudly_on_a_mismatch(tmp_path, monkeypatch):
+def break_fastbert(monkeypatch):
+    """Make the fastbert provider's outputs wrong (one real token per row off by 1e-2), for the output check."""
     real = bench.PROVIDERS["fastbert"]
 
     def broken_build(ms, opts, log):
@@ -277,12 +278,16 @@ def test_main_fails_loudly_on_a_mismatch(tmp_path, monkeypatch):
         def wrong(inputs):
             out = forward(inputs)
             out.last_hidden_state = out.last_hidden_state.clone()
-            out.last_hidden_state[:, 0] += 1e-2  # one real token per row, off by 1e-2
+            out.last_hidden_state[:, 0] += 1e-2
             return out
 
         return wrong
 
     monkeypatch.setitem(bench.PROVIDERS, "fastbert", dataclasses.replace(real, build=broken_build))
+
+
+def test_main_fails_loudly_on_a_mismatch(tmp_path, monkeypatch):
+    break_fastbert(monkeypatch)
     out = tmp_path / "res"
     with pytest.raises(bench.OutputMismatch, match="fastbert does not match hf-sdpa"):
         bench.main(TINY + ["--out", str(out)])

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import fastbench as bench  # noqa: E402
 from fastbench import providers, timing  # noqa: E402
 from fastbench.models import ModelSpec  # noqa: E402
+from test_bench_harness import break_fastbert  # noqa: E402
 
 TINY = ["--device", "cpu", "--models", "bert-tiny", "--batch", "3", "--seq-len", "16", "--pad-ratio", "0,0.5",
         "--reps", "1", "--warmup", "0", "--no-progress"]
@@ -88,25 +89,8 @@ def test_quick_on_cuda_drops_cpu_only_providers(monkeypatch):
     assert any("ort dropped" in n for n in notes)
 
 
-def _broken_fastbert(monkeypatch):
-    real = bench.PROVIDERS["fastbert"]
-
-    def broken_build(ms, opts, log):
-        forward = real.build(ms, opts, log)
-
-        def wrong(inputs):
-            out = forward(inputs)
-            out.last_hidden_state = out.last_hidden_state.clone()
-            out.last_hidden_state[:, 0] += 1e-2
-            return out
-
-        return wrong
-
-    monkeypatch.setitem(bench.PROVIDERS, "fastbert", dataclasses.replace(real, build=broken_build))
-
-
 def test_keep_going_records_a_mismatch_and_writes_each_case(tmp_path, monkeypatch, capsys):
-    _broken_fastbert(monkeypatch)
+    break_fastbert(monkeypatch)
     written = []
     real_add = bench.CsvLog.add
 
