@@ -145,6 +145,11 @@ def exporting() -> bool:
     )
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (reading device data is then an error)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 _plans: dict[tuple, tuple[str, str | None]] = {}  # choose()'s key -> (backend, warning to show once)
 
 

@@ -115,9 +115,13 @@ class FusedModel(layers.Fused):
                 f"{self._config_not_accelerated} is not accelerated: transformers' {self.hf_class.__name__} runs"
             )
 
-    def _forward(self, args: tuple, kwargs: dict):
+    def _forward(self, args: tuple, kwargs: dict, graph_safe: bool = False):
         """input_ids / token_type_ids / attention_mask (nonzero = real token): [B, S]; position_ids: [B, S] or
-        [1, S]; inputs_embeds: [B, S, embedding width] instead of input_ids."""
+        [1, S]; inputs_embeds: [B, S, embedding width] instead of input_ids. The integer inputs may all be on the
+        CPU with a GPU model (no host sync then).
+
+        graph_safe: never read device data (no range check, no packing: the padded batch runs dense with its mask),
+        as a CUDA graph capture requires; also whenever a capture is under way."""
         if len(args) > len(self._hf_parameters):
             raise TypeError(f"forward() takes {len(self._hf_parameters)} positional arguments but {len(args)} were given")
         for name, value in zip(self._hf_parameters, args):
@@ -140,14 +144,19 @@ class FusedModel(layers.Fused):
             word, input_ids, attention_mask, inputs["token_type_ids"], position_ids, inputs_embeds,
             None if position_ids is not None else self.max_seq_len(input_ids),
         )
+        # Where the integer inputs are: the model's device, or the host (a CPU mask and ids with a GPU model: checks,
+        # lengths and the packed layout are computed there, then queued to the device without waiting for it).
+        index_device = next((t.device for t in (input_ids, attention_mask, inputs["token_type_ids"], position_ids)
+                             if t is not None), word.device)
+        graph_safe = graph_safe or dispatch.capturing()
         token_type_ids = inputs["token_type_ids"]
         if token_type_ids is None:
-            token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=word.device)
+            token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=index_device)
         positions_name = "position_ids"
         if position_ids is None:
-            position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, word.device)
+            position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, index_device)
         token_types = getattr(embeddings, "token_type_embeddings", None)
-        packs = self._packs(batch, seq_len, attention_mask)
+        packs = not graph_safe and self._packs(batch, seq_len, attention_mask)
         lengths = padding.sequence_lengths(attention_mask) if packs else None  # [B], read back with the check
         indices, host_lengths = validation.flat_indices(
             torch.zeros_like(token_type_ids) if input_ids is None else input_ids,
@@ -157,6 +166,7 @@ class FusedModel(layers.Fused):
              embeddings.position_embeddings.weight.shape[0]],
             positions_name,
             lengths,
+            graph_safe,
         )  # [3, B * S]
 
         if packs:
@@ -165,6 +175,8 @@ class FusedModel(layers.Fused):
             layout = padding.dense_layout(batch, seq_len, attention_mask)
         if layout.packed:
             indices = indices.index_select(1, layout.indices)  # [3, N]
+        if index_device != word.device:
+            indices, layout = indices.to(word.device, non_blocking=True), layout.to(word.device)
         embeds = None if inputs_embeds is None else padding.pack(inputs_embeds, layout)
         config = self.config
         keep = _selected_states(_flag(kwargs, "output_hidden_states", config), config.num_hidden_layers)
@@ -195,7 +207,7 @@ class FusedModel(layers.Fused):
 
     def position_ids(self, input_ids, batch: int, seq_len: int, device) -> tuple[torch.Tensor, str]:
         """Positions when ``position_ids`` is not given: ([1, S] or [B, S] int64, what an error calls them)."""
-        return torch.arange(seq_len, device=device)[None], "position_ids (0 .. seq_len - 1)"
+        return torch.arange(seq_len, device=device).unsqueeze(0), "position_ids (0 .. seq_len - 1)"
 
     def embed(self, indices: torch.Tensor, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         """indices [3, N] -> the encoder's input [N, hidden]."""

@@ -3,10 +3,11 @@
 Packing finds the real tokens once per forward, so every layer runs on [total_tokens, hidden] and no GEMM, LayerNorm
 or GELU touches padding. It needs the sequence lengths on the host (they size the packed tensor and give the CPU
 attention its per-sequence lengths): the model reads them back together with the input range check, the one
-host<->device sync of a padded forward; nothing per layer syncs.
+host<->device sync of a padded forward; none when the mask comes on the CPU (as tokenizers return it), where the
+layout is built on the host and queued to the device. Nothing per layer syncs.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,14 @@ class TokenLayout:
     @property
     def max_seqlen(self) -> int:
         return max(self.seqlens, default=0) if self.packed else self.seq_len
+
+    def to(self, device: torch.device) -> "TokenLayout":
+        """The layout with its tensors on ``device`` (built on the host from a CPU mask, then queued to the GPU)."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return replace(self, key_padding_mask=move(self.key_padding_mask), indices=move(self.indices),
+                       cu_seqlens=move(self.cu_seqlens))
 
 
 def dense_layout(batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> TokenLayout:

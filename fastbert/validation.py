@@ -36,19 +36,34 @@ def check_inputs(
     """Metadata-only checks of the forward's inputs against the model (``weight``: its word embedding table); returns
     (batch, seq_len). Each error names the argument.
 
+    The integer inputs may be on the model's device or, all of them, on the CPU (as tokenizers return them): their
+    checks and the sequence lengths packing needs are then read on the host, and a GPU forward never waits for the
+    device before its kernels are queued.
+
     max_seq_len: the longest sequence the position table holds when positions are not given, or None when that
     depends on the data (RoBERTa numbers only non-padding tokens: the range check then tells).
     """
     named = dict(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                  position_ids=position_ids, inputs_embeds=inputs_embeds)
+    host = None  # the first integer input found on the CPU while the weights are on another device
     for name, value in named.items():
         if value is None:
             continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-        if value.device != weight.device:
-            raise ValueError(f"{name} is on {value.device} but the model's weights are on {weight.device}: move "
-                             "the inputs (or the model) to one device")
+        if value.device == weight.device:
+            continue
+        if name != "inputs_embeds" and value.device.type == "cpu":
+            host = host or name
+            continue
+        raise ValueError(f"{name} is on {value.device} but the model's weights are on {weight.device}: move "
+                         "the inputs (or the model) to one device"
+                         + ("" if name == "inputs_embeds" else " (the integer inputs may all stay on the CPU)"))
+    if host is not None:
+        on_device = [n for n, v in named.items() if v is not None and n != "inputs_embeds" and v.device.type != "cpu"]
+        if on_device:
+            raise ValueError(f"{host} is on the CPU but {on_device[0]} is on {weight.device}: pass the integer inputs "
+                             "(ids, mask, token types, positions) all on the CPU or all on the model's device")
     batch, seq_len = _check_shapes(weight.shape[1], input_ids, attention_mask, token_type_ids, position_ids,
                                    inputs_embeds, max_seq_len)
     if inputs_embeds is not None and inputs_embeds.dtype != weight.dtype:
@@ -136,16 +151,18 @@ def _(input_ids, token_type_ids, position_ids, limits, positions_name="position_
 
 
 def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int], positions_name: str = "position_ids",
-                 lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+                 lengths: torch.Tensor | None = None, graph_safe: bool = False,
+                 ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     """(the [3, B*S] int64 index tensor, range-checked unless checks are off; ``lengths`` read back to the host).
 
     lengths: [B] sequence lengths on the device that packing needs on the host, or None. They are read back in the
     same transfer as the range check's spans, so a padded forward syncs with the device once (eager only: packing
     never runs under torch.compile, where the check is the registered op).
     Not checked where the data cannot be read: while exporting (the exported graph has no data; the kernels and
-    torch ops clamp), or on the meta device.
+    torch ops clamp), on the meta device, or ``graph_safe`` (a CUDA graph being captured, where a read of device data
+    is an error: ``fastbert.cuda_graphs`` checks the inputs before it replays).
     """
-    checks = _checks_enabled and input_ids.device.type != "meta" and not dispatch.exporting()
+    checks = _checks_enabled and input_ids.device.type != "meta" and not dispatch.exporting() and not graph_safe
     if lengths is None:
         if checks:
             return checked_indices(input_ids, token_type_ids, position_ids, limits, positions_name), None

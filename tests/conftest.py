@@ -163,3 +163,22 @@ def device(request):
 def cuda_device():
     """The current CUDA device, for tests of GPU-only code (skipped without a GPU)."""
     return _device_or_skip("cuda")
+
+
+READ_BACKS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def read_backs(monkeypatch):
+    """Every host read of tensor data during the test, as "<method> on <device type>" (a read of GPU data is a
+    device sync; a read of CPU data costs nothing)."""
+    counts = []
+    for name in READ_BACKS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            counts.append(f"{_name} on {self.device.type}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts

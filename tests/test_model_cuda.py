@@ -75,9 +75,29 @@ def test_cuda_bad_input_raises_before_any_kernel(cuda_device, bert_trio):
     input_ids, _ = random_inputs(trio.config, 2, 6)
     with pytest.raises(ValueError, match="input_ids out of range"):
         fast(input_ids.to(cuda_device).index_fill(1, torch.tensor([3], device=cuda_device), 99))
-    with pytest.raises(ValueError, match="input_ids is on cpu but the model's weights are on cuda"):
-        fast(input_ids)
+    with pytest.raises(ValueError, match="input_ids out of range"):  # checked on the host
+        fast(input_ids.index_fill(1, torch.tensor([3]), 99))
+    with pytest.raises(ValueError, match="attention_mask is on the CPU but input_ids is on cuda"):
+        fast(input_ids.to(cuda_device), attention_mask=torch.ones(2, 6, dtype=torch.long))
     torch.cuda.synchronize()  # no device-side assert left behind
+
+
+@pytest.mark.parametrize("unpad", [True, False], ids=["packed", "dense"])
+def test_cuda_host_inputs(cuda_device, bert_trio, read_backs, unpad):
+    """Integer inputs left on the CPU (as tokenizers return them): the same outputs as on the device, and no read of
+    device data (checks and lengths are read on the host)."""
+    trio = bert_trio(unpad=unpad)
+    fast = trio.fast.to(cuda_device, torch.float16)
+    input_ids, token_type_ids = random_inputs(trio.config, 12, 37)
+    mask = mixed_mask(12, 37)
+    with torch.inference_mode():
+        on_device = fast(input_ids.to(cuda_device), attention_mask=mask.to(cuda_device),
+                         token_type_ids=token_type_ids.to(cuda_device))
+        del read_backs[:]
+        on_host = fast(input_ids, attention_mask=mask, token_type_ids=token_type_ids)
+        assert all(read.endswith(" on cpu") for read in read_backs), read_backs
+    torch.testing.assert_close(on_host.last_hidden_state, on_device.last_hidden_state, rtol=0, atol=0)
+    torch.testing.assert_close(on_host.pooler_output, on_device.pooler_output, rtol=0, atol=0)
 
 
 def test_cuda_uses_the_kernels(cuda_device, bert_trio):

@@ -172,24 +172,6 @@ def test_every_row_padded(model, unpad):
         assert (out.last_hidden_state == 0).all()
 
 
-READ_BACKS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
-
-
-@pytest.fixture
-def read_backs(monkeypatch):
-    """Counts every host read of tensor data (on a GPU, each is a device sync) during the test."""
-    counts = []
-    for name in READ_BACKS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            counts.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counts
-
-
 @pytest.mark.parametrize("checks", [True, False], ids=["checks-on", "checks-off"])
 @pytest.mark.parametrize("case", ["padded", "no-padding", "no-mask"])
 def test_one_host_read_per_forward(model, read_backs, case, checks, monkeypatch):
@@ -204,3 +186,63 @@ def test_one_host_read_per_forward(model, read_backs, case, checks, monkeypatch)
         model(input_ids, attention_mask=None if case == "no-mask" else mask)
     expected = 0 if (case == "no-mask" and not checks) else 1
     assert len(read_backs) == expected, read_backs
+
+
+@pytest.mark.parametrize("unpad", [True, False], ids=["packed", "dense"])
+def test_host_inputs_read_no_device_data(model, read_backs, unpad):
+    """Integer inputs on the CPU with the model elsewhere (here the meta device, whose data cannot be read at all):
+    the checks and the packed layout are computed on the host, and no device data is read."""
+    model.unpad = unpad
+    model.to("meta")
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    with torch.inference_mode():
+        out = model(ids(3, 7), attention_mask=mask, token_type_ids=torch.ones(3, 7, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"input_ids out of range.*vocab_size=99"):
+            model(ids(3, 7).index_fill(1, torch.tensor([2]), 99), attention_mask=mask)
+    assert out.last_hidden_state.device.type == "meta" and out.last_hidden_state.shape == (3, 7, 64)
+    assert read_backs and all(read.endswith(" on cpu") for read in read_backs), read_backs
+
+
+def test_host_inputs_all_on_the_host(model):
+    model.to("meta")
+    with pytest.raises(ValueError, match="input_ids is on the CPU but attention_mask is on meta"):
+        model(ids(B, S), attention_mask=torch.ones(B, S, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match="inputs_embeds is on cpu but the model's weights are on meta"):
+        model(inputs_embeds=torch.zeros(B, S, 64), attention_mask=torch.ones(B, S, dtype=torch.long))
+
+
+def test_graph_safe_forward_reads_no_device_data(small_bert_config):
+    """The forward a CUDA graph captures reads no device data, even with the input checks on: it runs on CUDA fake
+    tensors, where any read raises. (The normal padded forward does read, once: the same harness catches it.)"""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    assert fastbert.validation.input_checks_enabled()
+    # No pooler: HF's indexes hidden_states[:, 0], which fake CUDA tensors cannot do without a GPU.
+    model = fastbert.BertModel(small_bert_config(), add_pooling_layer=False).eval()
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.inference_mode():
+        model.to_empty(device="cuda")
+        input_ids = torch.zeros(3, 7, dtype=torch.long, device="cuda")
+        mask = torch.ones(3, 7, dtype=torch.long, device="cuda")
+        out = model._forward((input_ids, mask), {}, graph_safe=True)
+        assert out.last_hidden_state.shape == (3, 7, 64) and out.last_hidden_state.device.type == "cuda"
+        with pytest.raises(DataDependentOutputException):
+            model(input_ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_graph_safe_forward_matches(model, backend, monkeypatch):
+    """The graph-safe forward (dense with the mask, no checks) gives the normal forward's outputs on real tokens."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("FASTBERT_BACKEND", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    mask[2] = 0
+    with torch.inference_mode():
+        expected = model(ids(3, 7), attention_mask=mask)
+        out = model._forward((ids(3, 7), mask), {}, graph_safe=True)
+    real = mask.bool()
+    torch.testing.assert_close(out.last_hidden_state[real], expected.last_hidden_state[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.pooler_output[:2], expected.pooler_output[:2], rtol=0, atol=1e-5)

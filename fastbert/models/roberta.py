@@ -43,7 +43,7 @@ class RobertaShapedModel(modeling.FusedModel):
     def position_ids(self, input_ids, batch, seq_len, device):
         padding_idx = self.embeddings.padding_idx
         if input_ids is None:
-            return torch.arange(padding_idx + 1, seq_len + padding_idx + 1, device=device)[None], (
+            return torch.arange(padding_idx + 1, seq_len + padding_idx + 1, device=device).unsqueeze(0), (
                 f"positions {padding_idx + 1} .. seq_len + {padding_idx} of inputs_embeds"
             )
         real = input_ids.ne(padding_idx)
