@@ -5,6 +5,7 @@
                                             #  DistilBertModel)
     fastbert.optimize(hf_model)             # or swap the encoders inside an existing HF model, in place
     fastbert.AutoModelForSequenceClassification.from_pretrained(path)   # transformers' Auto classes, accelerated
+    fastbert.cuda_graphs(model)             # GPU: replay the encoder from CUDA graphs, one per shape bucket
     fastbert.info()                         # what runs here, and why
 """
 
@@ -22,6 +23,7 @@ from .auto import (  # noqa: E402
     AutoModelForTokenClassification,
 )
 from .derived import clear as clear_caches  # noqa: E402
+from .graphs import cuda_graphs  # noqa: E402
 from .models import (  # noqa: E402
     BertModel,
     CamembertModel,
@@ -37,7 +39,7 @@ __all__ = [
     "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel",
     "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
     "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
-    "optimize", "info", "set_input_checks", "clear_caches", "__version__",
+    "optimize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
 ]
 
 

@@ -72,6 +72,7 @@ class FusedModel(layers.Fused):
     fused_classes: dict[type, type] = {}
     output_class: type
     encoder_name = "encoder"
+    _graphs = None  # a graphs.GraphSet once ``fastbert.cuda_graphs`` enabled CUDA graphs on this model
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -133,30 +134,60 @@ class FusedModel(layers.Fused):
             announce.fallback(f"{why} is not accelerated: transformers' {self.hf_class.__name__}.forward runs "
                               "for this call")
             return super(FusedModel, self).forward(**kwargs)
+        if self._graphs is not None and not graph_safe:
+            out = self._graphs.run(self, kwargs)  # None: this call runs without a graph
+            if out is not None:
+                return self._finish(out, kwargs)
         inputs = {name: kwargs.pop(name, None) for name in _INPUTS}
-        if not hasattr(self.embeddings, "token_type_embeddings"):
-            inputs["token_type_ids"] = None  # (DistilBERT: transformers ignores them too, e.g. a pair tokenizer's)
+        indices, layout = self._prepare(inputs, graph_safe or dispatch.capturing())
+        inputs_embeds = inputs["inputs_embeds"]
+        embeds = None if inputs_embeds is None else padding.pack(inputs_embeds, layout)
+        keep = _selected_states(_flag(kwargs, "output_hidden_states", self.config), self.config.num_hidden_layers)
+        return self._finish(self._encode(indices, layout, embeds, keep), kwargs)
+
+    def _encode(self, indices: torch.Tensor, layout: padding.TokenLayout, inputs_embeds: torch.Tensor | None = None,
+                keep: set[int] | None = None):
+        """indices [3, N] (``_prepare``), inputs_embeds [N, width] or None -> ``output_class`` with [B, S, hidden]
+        outputs; ``keep``: the hidden states to return (``_selected_states``). Reads no device data."""
+        x = self.embed(indices, inputs_embeds)  # [N, hidden]
+        x, states = getattr(self, self.encoder_name).fused(x, layout, keep)
+        sequence_output = padding.unpack(x, layout)  # [B, S, hidden]
+        hidden_states = None
+        if keep is not None:
+            hidden_states = (*states, sequence_output if self.config.num_hidden_layers in keep else None)
+        outputs = dict(last_hidden_state=sequence_output, hidden_states=hidden_states)
+        if "pooler_output" in self.output_class.__dataclass_fields__:  # (field order matters: tuple outputs follow it)
+            pooler = getattr(self, "pooler", None)
+            first = sequence_output if layout.seq_len else sequence_output.new_zeros(layout.batch, 1, x.shape[-1])
+            outputs["pooler_output"] = None if pooler is None else pooler(first)
+        return self.output_class(**outputs)
+
+    def _prepare(self, inputs: dict, graph_safe: bool = False, unpad: bool | None = None,
+                 ) -> tuple[torch.Tensor, padding.TokenLayout]:
+        """Checks the inputs (``_INPUTS`` by name, None where not given) and finds where the real tokens are:
+        -> (indices [3, N] int64: word, token type, position of each token the encoder runs; the layout), both on
+        the model's device. unpad: pack the real tokens if the mask has padding (default ``self.unpad``)."""
         input_ids, attention_mask, inputs_embeds = inputs["input_ids"], inputs["attention_mask"], inputs["inputs_embeds"]
         embeddings = self.embeddings
+        token_types = getattr(embeddings, "token_type_embeddings", None)
+        # (DistilBERT has none; transformers ignores them too, e.g. a pair tokenizer's)
+        token_type_ids = inputs["token_type_ids"] if token_types is not None else None
         word = embeddings.word_embeddings.weight
         position_ids = inputs["position_ids"]
         batch, seq_len = validation.check_inputs(
-            word, input_ids, attention_mask, inputs["token_type_ids"], position_ids, inputs_embeds,
+            word, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
             None if position_ids is not None else self.max_seq_len(input_ids),
         )
         # Where the integer inputs are: the model's device, or the host (a CPU mask and ids with a GPU model: checks,
         # lengths and the packed layout are computed there, then queued to the device without waiting for it).
-        index_device = next((t.device for t in (input_ids, attention_mask, inputs["token_type_ids"], position_ids)
+        index_device = next((t.device for t in (input_ids, attention_mask, token_type_ids, position_ids)
                              if t is not None), word.device)
-        graph_safe = graph_safe or dispatch.capturing()
-        token_type_ids = inputs["token_type_ids"]
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=index_device)
         positions_name = "position_ids"
         if position_ids is None:
             position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, index_device)
-        token_types = getattr(embeddings, "token_type_embeddings", None)
-        packs = not graph_safe and self._packs(batch, seq_len, attention_mask)
+        packs = not graph_safe and self._packs(batch, seq_len, attention_mask, self.unpad if unpad is None else unpad)
         lengths = padding.sequence_lengths(attention_mask) if packs else None  # [B], read back with the check
         indices, host_lengths = validation.flat_indices(
             torch.zeros_like(token_type_ids) if input_ids is None else input_ids,
@@ -168,7 +199,6 @@ class FusedModel(layers.Fused):
             lengths,
             graph_safe,
         )  # [3, B * S]
-
         if packs:
             layout = padding.unpadded_layout(attention_mask, lengths, host_lengths)
         else:
@@ -177,26 +207,15 @@ class FusedModel(layers.Fused):
             indices = indices.index_select(1, layout.indices)  # [3, N]
         if index_device != word.device:
             indices, layout = indices.to(word.device, non_blocking=True), layout.to(word.device)
-        embeds = None if inputs_embeds is None else padding.pack(inputs_embeds, layout)
-        config = self.config
-        keep = _selected_states(_flag(kwargs, "output_hidden_states", config), config.num_hidden_layers)
-        x = self.embed(indices, embeds)  # [N, hidden]
-        x, states = getattr(self, self.encoder_name).fused(x, layout, keep)
-        sequence_output = padding.unpack(x, layout)  # [B, S, hidden]
-        hidden_states = None
-        if keep is not None:
-            hidden_states = (*states, sequence_output if config.num_hidden_layers in keep else None)
-        outputs = dict(last_hidden_state=sequence_output, hidden_states=hidden_states)
-        pooled = "pooler_output" in self.output_class.__dataclass_fields__
-        if pooled:  # (field order matters: tuple outputs follow it)
-            pooler = getattr(self, "pooler", None)
-            first = sequence_output if seq_len else sequence_output.new_zeros(batch, 1, x.shape[-1])
-            outputs["pooler_output"] = None if pooler is None else pooler(first)
-        out = self.output_class(**outputs)
-        if _flag(kwargs, "return_dict", config, default=True):
+        return indices, layout
+
+    def _finish(self, out, kwargs: dict):
+        """The output as HF returns it: ``out`` (an ``output_class``), or a tuple when ``return_dict=False``."""
+        if _flag(kwargs, "return_dict", self.config, default=True):
             return out
-        if _TRANSFORMERS_4 and pooled:
-            return (sequence_output, out.pooler_output) + ((hidden_states,) if hidden_states is not None else ())
+        if _TRANSFORMERS_4 and "pooler_output" in self.output_class.__dataclass_fields__:
+            hidden_states = out.hidden_states
+            return (out.last_hidden_state, out.pooler_output) + ((hidden_states,) if hidden_states is not None else ())
         return out.to_tuple()
 
     # --- what a family may change ------------------------------------------------------------------------------
@@ -239,7 +258,7 @@ class FusedModel(layers.Fused):
             return f"{name} being a {type(bypassed).__name__}"
         return None
 
-    def _packs(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> bool:
+    def _packs(self, batch: int, seq_len: int, attention_mask: torch.Tensor | None, unpad: bool) -> bool:
         """Whether to pack the real tokens (when the mask turns out to have padding; dense otherwise).
 
         Under torch.compile and export the dense (masked) path runs: packing sizes tensors from the data, which a
@@ -247,7 +266,7 @@ class FusedModel(layers.Fused):
         """
         return not (
             attention_mask is None
-            or not self.unpad
+            or not unpad
             or torch.compiler.is_compiling()
             or dispatch.exporting()
             or batch * seq_len == 0

@@ -1,0 +1,155 @@
+"""fastbert.cuda_graphs: replays match the eager forward, inputs are checked first, graphs follow the weights.
+
+The capture itself needs a GPU (``cuda_device`` tests); the rest runs everywhere. The graph's forward reading no
+device data is proven in test_model_inputs.py (``test_graph_safe_forward_reads_no_device_data``).
+"""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from fastbert.graphs import GraphSet
+from test_model_parity import mixed_mask, random_inputs
+
+
+def test_needs_a_fastbert_encoder(small_bert_config):
+    with pytest.raises(TypeError, match="model: BertModel holds no fastbert encoder; call fastbert.optimize"):
+        fastbert.cuda_graphs(transformers.BertModel(small_bert_config()))
+
+
+@pytest.mark.parametrize("name, sizes", [("batch_sizes", ()), ("seq_lens", (0, 16))])
+def test_bad_buckets(small_bert_config, name, sizes):
+    with pytest.raises(ValueError, match=name):
+        fastbert.cuda_graphs(fastbert.BertModel(small_bert_config()), **{name: sizes})
+
+
+def test_on_cpu_runs_eagerly_and_says_so(small_bert_config):
+    """Graphs need a GPU: on the CPU the forward is the eager one, with the reason warned and listed by info()."""
+    model = fastbert.BertModel(small_bert_config()).eval()
+    input_ids, _ = random_inputs(model.config, 3, 9)
+    mask = mixed_mask(3, 9)
+    with torch.inference_mode():
+        expected = model(input_ids, attention_mask=mask)
+        assert fastbert.cuda_graphs(model) is model
+        with pytest.warns(RuntimeWarning, match="cuda_graphs: the model is on cpu, not a GPU"):
+            out = model(input_ids, attention_mask=mask)
+    torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state, rtol=0, atol=0)
+    assert any("cuda_graphs" in reason for reason in fastbert.info()["fallbacks"])
+    fastbert.cuda_graphs(model, enabled=False)
+    assert model._graphs is None
+
+
+def test_every_encoder_inside_a_head(small_bert_config):
+    head = fastbert.optimize(transformers.BertForSequenceClassification(small_bert_config()))
+    assert fastbert.cuda_graphs(head, batch_sizes=(4,), seq_lens=(32,)) is head
+    assert head.bert._graphs.batch_sizes == (4,) and head.bert._graphs.seq_lens == (32,)
+
+
+def test_copies_and_pickles_start_without_graphs(small_bert_config):
+    model = fastbert.cuda_graphs(fastbert.BertModel(small_bert_config()), batch_sizes=(2, 1), seq_lens=(8,))
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert clone._graphs is not model._graphs and clone._graphs.graphs == {}
+        assert (clone._graphs.batch_sizes, clone._graphs.seq_lens) == ((1, 2), (8,))
+
+
+@pytest.mark.parametrize("batch, seq_len, bucket", [(1, 1, (1, 16)), (3, 16, (4, 16)), (4, 17, (4, 32)),
+                                                    (8, 64, (8, 64)), (9, 8, None), (2, 65, None)])
+def test_buckets(small_bert_config, batch, seq_len, bucket):
+    """The smallest bucket holding the call; seq_lens capped at the position table (64 here)."""
+    model = fastbert.BertModel(small_bert_config())
+    assert model.config.max_position_embeddings == 64
+    assert GraphSet((1, 2, 4, 8), (16, 32, 128))._bucket(model, batch, seq_len) == bucket
+
+
+# --- on a GPU ------------------------------------------------------------------------------------------------------
+
+
+# fp32 (no TF32 by default): the replay and the eager forward may differ only by the GEMMs cuBLAS picks for the
+# bucket's row count, well within the 1e-4 of fp32 parity.
+ATOL = 1e-4
+
+
+def _graphed(model, device):
+    return fastbert.cuda_graphs(model.to(device).eval(), batch_sizes=(2, 4, 16), seq_lens=(16, 64))
+
+
+@pytest.mark.parametrize("host_inputs", [False, True], ids=["device-inputs", "host-inputs"])
+def test_cuda_replay_matches_eager(cuda_device, small_bert_config, host_inputs):
+    """Calls of several shapes, in and across buckets: the replay equals the eager dense forward on real tokens, and
+    earlier outputs stay valid after later replays."""
+    model = fastbert.BertModel(small_bert_config()).to(cuda_device).eval()
+    shapes = [(3, 9), (4, 16), (1, 5), (12, 40), (3, 9)]
+    calls = []
+    for batch, seq_len in shapes:
+        input_ids, token_type_ids = random_inputs(model.config, batch, seq_len)
+        mask = mixed_mask(batch, seq_len)
+        calls.append([t if host_inputs else t.to(cuda_device) for t in (input_ids, mask, token_type_ids)])
+    with torch.inference_mode():
+        model.unpad = False  # the eager dense forward: the same kernels on the same rows
+        expected = [model(ids, attention_mask=mask, token_type_ids=tt) for ids, mask, tt in calls]
+        _graphed(model, cuda_device)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="fastbert")  # no fallback: every call replays
+            outs = [model(ids, attention_mask=mask, token_type_ids=tt) for ids, mask, tt in calls]
+    assert len(model._graphs.graphs) == 3
+    for (ids, mask, _), out, ref in zip(calls, outs, expected):
+        real = mask.bool().to(cuda_device)
+        assert out.last_hidden_state.shape == ref.last_hidden_state.shape
+        torch.testing.assert_close(out.last_hidden_state[real], ref.last_hidden_state[real], rtol=0, atol=ATOL)
+        torch.testing.assert_close(out.pooler_output, ref.pooler_output, rtol=0, atol=ATOL)
+
+
+def test_cuda_head_and_tuple_outputs(cuda_device, small_bert_config):
+    head = fastbert.optimize(transformers.BertForSequenceClassification(small_bert_config()))
+    head.to(cuda_device).eval()
+    input_ids, _ = random_inputs(head.config, 3, 11)
+    mask = mixed_mask(3, 11)
+    with torch.inference_mode():
+        head.bert.unpad = False
+        expected = head(input_ids.to(cuda_device), attention_mask=mask.to(cuda_device)).logits
+        _graphed(head, cuda_device)
+        logits = head(input_ids, attention_mask=mask).logits
+        as_tuple = head.bert(input_ids, attention_mask=mask, return_dict=False)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
+    assert isinstance(as_tuple, tuple) and as_tuple[0].shape == (3, 11, head.config.hidden_size)
+
+
+def test_cuda_graphs_follow_the_weights(cuda_device, small_bert_config):
+    """A weight written in place (the fused QKV weight is derived from it) or moved: recaptured, never stale."""
+    model = _graphed(fastbert.BertModel(small_bert_config()), cuda_device)
+    input_ids, _ = random_inputs(model.config, 2, 10)
+    with torch.inference_mode():
+        before = model(input_ids).last_hidden_state
+    with torch.no_grad():
+        model.encoder.layer[0].attention.self.query.weight.mul_(2)
+    with torch.inference_mode():
+        after = model(input_ids).last_hidden_state
+    model.double()  # moves every parameter: recaptured in float64
+    with torch.inference_mode():
+        in_double = model(input_ids).last_hidden_state
+        fastbert.cuda_graphs(model, enabled=False)
+        eager = model(input_ids).last_hidden_state
+    assert not torch.equal(before, after)
+    assert in_double.dtype == torch.float64
+    torch.testing.assert_close(after.double(), eager, rtol=0, atol=ATOL)
+    torch.testing.assert_close(in_double, eager, rtol=0, atol=1e-10)
+
+
+def test_cuda_checks_and_eager_cases(cuda_device, small_bert_config):
+    model = _graphed(fastbert.BertModel(small_bert_config()), cuda_device)
+    input_ids, _ = random_inputs(model.config, 2, 10)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="input_ids out of range"):
+            model(input_ids.index_fill(1, torch.tensor([3]), 99))
+        with pytest.warns(RuntimeWarning, match="beyond the largest bucket"):
+            model(random_inputs(model.config, 17, 4)[0])
+        with pytest.warns(RuntimeWarning, match="output_hidden_states given"):
+            out = model(input_ids, output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    with pytest.warns(RuntimeWarning, match="gradients are required"):
+        model(input_ids)
