@@ -202,6 +202,8 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
         padded = heads.view(layout.batch, layout.seq_len, 3, num_heads, head_dim)
         return attention_kernels.attention(padded, layout.key_padding_mask).view(tokens, hidden)
     if layout.packed:
+        if qkv.device.type == "cuda":  # (a loop of small SDPA calls would be host-bound on a GPU)
+            return _attention_packed_via_padded_sdpa(heads, layout, dropout_p).view(tokens, hidden)
         return _attention_varlen_sdpa(heads, layout.seqlens, dropout_p).view(tokens, hidden)
     # reshape, not view: SDPA's math backend (dropout, float64) returns [B, H, S, D]-contiguous memory.
     return _attention_sdpa(heads, layout, dropout_p).reshape(tokens, hidden)
@@ -232,6 +234,18 @@ def _attention_varlen_sdpa(heads: torch.Tensor, seqlens: tuple[int, ...], dropou
         q, k, v = chunk.permute(1, 2, 0, 3)[:, None]  # [1, H, L, D] each
         outputs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)[0].transpose(0, 1))
     return torch.cat(outputs) if outputs else heads.new_empty(0, *heads.shape[2:])
+
+
+def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float) -> torch.Tensor:
+    """Packed layout through one masked SDPA over the padded batch (GPU training, or a head dim the Triton kernel
+    does not take): heads [T, 3, H, D] -> [T, H, D]. Differentiable: the scatter into the padded buffer and the gather
+    back are index ops; every other op of the layer still runs on the T real tokens only."""
+    batch, seq_len = layout.batch, layout.seq_len
+    padded = heads.new_zeros(batch * seq_len, *heads.shape[1:]).index_copy(0, layout.indices, heads)
+    real = torch.zeros(batch * seq_len, dtype=torch.bool, device=heads.device).index_fill_(0, layout.indices, True)
+    dense = TokenLayout(batch, seq_len, key_padding_mask=real.view(batch, seq_len))
+    out = _attention_sdpa(padded, dense, dropout_p)  # [B, S, H, D]
+    return out.reshape(batch * seq_len, *out.shape[2:]).index_select(0, layout.indices)
 
 
 def dense_residual_layer_norm(
