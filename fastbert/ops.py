@@ -258,12 +258,14 @@ def dense_residual_layer_norm(
     why = why_gemm or _why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     if dispatch.choose("layer_norm", x, why) == "triton":
-        # A plain dense runs its GEMM without the bias, and the kernel adds bias and residual and normalizes in one
-        # pass; a wrapped dense is called, and the kernel adds the residual and normalizes.
-        plain_dense = is_plain(dense, nn.Linear, x.device)
-        h, bias = (F.linear(x, dense.weight), dense.bias) if plain_dense else (dense(x), None)
         ln = layer_norm
-        return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=bias, residual=residual)
+        if is_plain(dense, nn.Linear, x.device):
+            # The residual enters the GEMM's epilogue (C = residual, beta = 1: read while the GEMM is compute-bound);
+            # the kernel adds the bias and normalizes, reading one [tokens, hidden] tensor fewer.
+            h = torch.addmm(residual, x, dense.weight.t())
+            return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=dense.bias)
+        # A wrapped dense is called; the kernel adds the residual and normalizes.
+        return layer_norm_kernels.layer_norm(dense(x), ln.weight, ln.bias, ln.eps, residual=residual)
     h = _onednn_linear(x, dense, why_gemm, residual=residual)  # (only without dropout: it comes before the add)
     if h is not None:
         return layer_norm(h)
@@ -277,13 +279,30 @@ def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Ten
     why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
     why = why_gemm or _why_no_kernel(act_fn, activation)
     if dispatch.choose("bias_act", x, why) == "triton":
-        if is_plain(dense, nn.Linear, x.device):
-            return activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation)
-        return activation_kernels.bias_act(dense(x), None, activation)
+        if not is_plain(dense, nn.Linear, x.device):
+            return activation_kernels.bias_act(dense(x), None, activation)
+        use_gelu = gemm_epilogue(activation, x.device)
+        if use_gelu is not None and dense.bias is not None:
+            # bias + activation in the GEMM's epilogue (cuBLASLt): the [tokens, intermediate] output is written once
+            return torch._addmm_activation(dense.bias, x, dense.weight.t(), use_gelu=use_gelu)
+        return activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation)
     h = _onednn_linear(x, dense, why_gemm, activation)
     if h is not None:
         return h if activation is not None else act_fn(h)
     return act_fn(linear(x, dense))
+
+
+def gemm_epilogue(activation: str | None, device: torch.device) -> bool | None:
+    """``use_gelu`` for ``torch._addmm_activation`` where its epilogue computes exactly the model's activation, else
+    None. ReLU everywhere; its GELU is the tanh approximation on CUDA (cuBLASLt's epilogue, or gelu(approximate="tanh")
+    where cuBLASLt does not apply) but exact erf on CPU: tanh models (gelu_new, gelu_pytorch_tanh) fuse on CUDA only,
+    and erf models (BERT's "gelu") keep the Triton bias+GELU kernel."""
+    kind = activation_kernels.ACTIVATIONS.get(activation)
+    if kind == "relu":
+        return False
+    if kind == "gelu_tanh" and device.type == "cuda":
+        return True
+    return None
 
 
 def dense_act_layer_norm(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module, layer_norm: nn.Module) -> torch.Tensor:

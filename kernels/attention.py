@@ -1,11 +1,13 @@
 """Bidirectional multi-head self-attention, flash-attention style (online softmax, no S x S matrix in memory).
 
 Two layouts, both reading Q, K, V straight out of the fused QKV projection through strides:
-- padded: qkv [B, S, 3, H, D] with key_padding_mask [B, S] bool (True = real token) or None -> out [B, S, H, D];
+- padded: qkv [B, S, 3, H, D] with key_padding_mask [B, S] bool (True = real token) or None, and optional key_bounds
+  [B] int32 (keys at index >= key_bounds[b] are padding) -> out [B, S, H, D];
 - varlen: qkv [total_tokens, 3, H, D] with cu_seqlens [B + 1] int32 and max_seqlen -> out [total_tokens, H, D].
 Scale 1/sqrt(D). A query whose keys are all masked gets zeros, never NaN.
 """
 
+import functools
 import math
 
 import torch
@@ -14,17 +16,24 @@ from ._common import check_float, check_last_dim_contiguous, for_device, interpr
 
 
 def attention_ref(
-    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None, upcast: bool = True
+    qkv: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    key_bounds: torch.Tensor | None = None,
+    upcast: bool = True,
 ) -> torch.Tensor:
-    """Padded layout, written out: softmax(q k^T / sqrt(D) + mask) v."""
+    """Padded layout, written out: softmax(q k^T / sqrt(D) + mask) v. A key at index >= key_bounds[b] is masked
+    exactly like a False in key_padding_mask; given both, both apply."""
     dtype = qkv.dtype
     if upcast:
         qkv = qkv.float()
     q, k, v = qkv.unbind(dim=2)  # each [B, S, H, D]
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-    if key_padding_mask is not None:
-        keep = key_padding_mask[:, None, None, :]  # [B, 1, 1, S_k]
-        scores = scores.masked_fill(~keep, float("-inf"))
+    keep = key_padding_mask  # [B, S_k] or None
+    if key_bounds is not None:
+        in_bound = torch.arange(qkv.shape[1], device=qkv.device)[None, :] < key_bounds[:, None]  # [B, S_k]
+        keep = in_bound if keep is None else keep & in_bound
+    if keep is not None:
+        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))  # keep as [B, 1, 1, S_k]
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
     return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(dtype)
 
@@ -37,7 +46,7 @@ def attention_varlen_ref(
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
-            out[start:end] = attention_ref(qkv[None, start:end], None, upcast)[0]
+            out[start:end] = attention_ref(qkv[None, start:end], upcast=upcast)[0]
     return out
 
 
@@ -53,6 +62,10 @@ def attention_varlen_ref(
 #   out   = acc / l
 # Until a row has seen a real key, m = -inf; the exponents then use 0 instead of m' (so -inf - -inf never makes a
 # NaN), and a row with no real key at all ends with acc = 0, l = 0 and is written as zeros (l guarded to 1).
+# A block whose keys are all masked changes nothing (p = 0, alpha = 2^0 = 1, exactly): so stopping the loop at
+# key_bounds[b] (HAS_BOUND) instead of loading trailing padding blocks and masking them gives bit-identical results
+# whenever every key at or past the bound is masked anyway. With EVEN_N (padded layout, S a multiple of BLOCK_N,
+# no bound) every block is full: the per-key `keys < S` check goes, leaving only the head-dim and key-padding masks.
 # The head dim D is padded to BLOCK_D (a power of two, >= 16 for tl.dot) with masked loads: padded lanes are 0 in
 # q, k and v, so they add nothing to q.k and are never stored.
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,6 +78,7 @@ def _attention_fwd_kernel(
     V,  # pointer to v of token 0, head 0
     OUT,  # pointer to the output: [B, S, H, D] (padded) or [T, H, D] (varlen), contiguous
     MASK,  # pointer to key_padding_mask [B, S], nonzero = real token (read only if HAS_MASK)
+    KEY_BOUNDS,  # pointer to key_bounds [B] int32: keys >= key_bounds[b] are padding (read only if HAS_BOUND)
     CU_SEQLENS,  # pointer to cu_seqlens [B + 1] int32 (read only if VARLEN)
     stride_qkv_b,  # elements between batches of qkv (padded layout; unused when VARLEN)
     stride_qkv_s,  # elements between tokens of qkv
@@ -73,11 +87,14 @@ def _attention_fwd_kernel(
     stride_out_h,  # elements between heads of OUT
     stride_mask_b,  # elements between rows of MASK
     stride_mask_s,  # elements between tokens of MASK
+    stride_bound,  # elements between entries of KEY_BOUNDS
     seq_len,  # S of the padded layout (unused when VARLEN: lengths come from CU_SEQLENS)
     num_heads,  # H
     head_dim,  # D, the real head dim
     qk_scale,  # log2(e) / sqrt(D)
     HAS_MASK: tl.constexpr,  # read MASK (padded layout only)
+    HAS_BOUND: tl.constexpr,  # read KEY_BOUNDS and stop each sequence's key loop there (padded layout only)
+    EVEN_N: tl.constexpr,  # padded layout, seq_len % BLOCK_N == 0 and no HAS_BOUND: every key block is full
     VARLEN: tl.constexpr,  # packed layout with CU_SEQLENS instead of [B, S]
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 operands: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,  # query rows per program
@@ -112,12 +129,18 @@ def _attention_fwd_kernel(
     )  # [BLOCK_M, BLOCK_D]
 
     mask_row = MASK + batch.to(tl.int64) * stride_mask_b  # this sequence's key_padding_mask (if HAS_MASK)
+    kv_len = seq_len  # keys [0, kv_len) are visited; blocks past it are never loaded
+    if HAS_BOUND:
+        kv_len = tl.minimum(seq_len, tl.load(KEY_BOUNDS + batch * stride_bound))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scaled scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
-    for start_n in range(0, seq_len, BLOCK_N):
+    for start_n in range(0, kv_len, BLOCK_N):
         keys = start_n + offs_n
-        key_ok = keys < seq_len
+        if EVEN_N:  # a constant: the compiler folds it out of the masks and the tl.where below
+            key_ok = tl.full([BLOCK_N], 1, tl.int1)
+        else:
+            key_ok = keys < kv_len
         if HAS_MASK:
             key_ok &= tl.load(mask_row + keys * stride_mask_s, mask=key_ok, other=0) != 0
         k_t = tl.load(
@@ -151,28 +174,62 @@ def _attention_fwd_kernel(
 MAX_HEAD_DIM = 128
 
 
-def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Block sizes and launch options: fixed heuristics, no autotuning (it would benchmark on the first call of every
-    shape, and inside a CUDA-graph capture).
+# GPU launch settings: (arch family, dtype class, BLOCK_D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# sm90 (compute capability 9.x and above): picked so the sm_90 build needs no register spills (checked by compiling
+# ahead of time with the specialization a launch uses and reading the cubin's resource usage:
+# tests/test_kernels_attention.py). 16-bit inputs: 128 query rows per program (one program per head for BERT's usual
+# 128 tokens), 64 keys per step up to D = 64, 32 above. fp32 operands take twice the registers and shared memory:
+# 32 x 32 with 8 warps for every D (64 x 32 spilled up to 24 bytes per thread with "ieee" products, and 32 x 32 with
+# 4 warps 656 bytes for D > 64 with a key padding mask).
+# sm80 (8.x; older GPUs get these too): the same values unless shared memory exceeds 160 KiB (A100: 164 KiB per
+# SM). Estimate: q tile BLOCK_M*BLOCK_D*elt + stages * (k and v tiles 2*BLOCK_N*BLOCK_D*elt); the largest entries
+# are 16-bit D = 64: 16 + 3 * 16 = 64 KiB, 16-bit D = 128: 32 + 2 * 16 = 64 KiB, fp32 D = 128: 16 + 2 * 32 = 80 KiB.
+# All fit, so no sm80 entry differs yet.
+_ATTENTION_CONFIGS = {
+    ("sm90", "16bit", 16): (128, 64, 8, 3),  # 16 KiB of shared memory by the estimate
+    ("sm90", "16bit", 32): (128, 64, 8, 3),  # 32 KiB
+    ("sm90", "16bit", 64): (128, 64, 8, 3),  # 64 KiB
+    ("sm90", "16bit", 128): (128, 32, 8, 2),  # 64 KiB
+    ("sm90", "fp32", 16): (32, 32, 8, 2),  # 10 KiB
+    ("sm90", "fp32", 32): (32, 32, 8, 2),  # 20 KiB
+    ("sm90", "fp32", 64): (32, 32, 8, 2),  # 40 KiB
+    ("sm90", "fp32", 128): (32, 32, 8, 2),  # 80 KiB
+    ("sm80", "16bit", 16): (128, 64, 8, 3),
+    ("sm80", "16bit", 32): (128, 64, 8, 3),
+    ("sm80", "16bit", 64): (128, 64, 8, 3),
+    ("sm80", "16bit", 128): (128, 32, 8, 2),
+    ("sm80", "fp32", 16): (32, 32, 8, 2),
+    ("sm80", "fp32", 32): (32, 32, 8, 2),
+    ("sm80", "fp32", 64): (32, 32, 8, 2),
+    ("sm80", "fp32", 128): (32, 32, 8, 2),
+}
 
-    - Interpreter: 16 x 16 blocks (tl.dot's minimum): cheap programs, and short test sequences cross blocks.
-    - GPU: picked so the sm_90 build needs no register spills (checked by compiling ahead of time with the
-      specialization a launch uses and reading the cubin's resource usage: tests/test_kernels_attention.py) and fits
-      shared memory easily; not yet timed on a GPU. 16-bit inputs: 128 query rows per program (one program per head
-      for BERT's usual 128 tokens), 64 keys per step up to D = 64, 32 above. fp32 operands take twice the registers
-      and shared memory: 32 x 32 with 8 warps for every D (64 x 32 spilled up to 24 bytes per thread with "ieee"
-      products, and 32 x 32 with 4 warps 656 bytes for D > 64 with a key padding mask).
-    """
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if interpreting(device):
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d, num_warps=1, num_stages=1)
-    if dtype == torch.float32:
-        # The one fp32 config without spills in every launch-faithful sm_90 build (D <= 128, "ieee" and "tf32").
-        block_m, block_n, num_warps, num_stages = 32, 32, 8, 2
-    else:
-        block_m, num_warps = 128, 8
-        block_n, num_stages = (64, 3) if block_d <= 64 else (32, 2)
+
+@functools.lru_cache(maxsize=None)
+def _gpu_arch(device_index: int) -> str:
+    """The table's arch family of a CUDA device: one capability query per device index."""
+    major, _ = torch.cuda.get_device_capability(device_index)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def _gpu_config(arch: str, head_dim: int, dtype: torch.dtype) -> dict:
+    block_d = max(16, triton.next_power_of_2(head_dim))  # a power of two >= 16 (tl.dot's minimum)
+    block_m, block_n, num_warps, num_stages = _ATTENTION_CONFIGS[
+        arch, "fp32" if dtype == torch.float32 else "16bit", block_d
+    ]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
+
+
+def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Block sizes and launch options. No runtime autotuning: it would benchmark on the first call of every shape,
+    inside a CUDA-graph capture too. GPU values come from the static table ``_ATTENTION_CONFIGS`` and are not yet
+    timed on a GPU. The interpreter takes 16 x 16 blocks (tl.dot's minimum): cheap programs, and short test
+    sequences cross blocks."""
+    if interpreting(device):
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=1,
+                    num_stages=1)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _gpu_config(_gpu_arch(index), head_dim, dtype)
 
 
 def _cuda_fp32_matmul_allows_tf32() -> bool:
@@ -210,8 +267,18 @@ def _check_qkv(qkv: torch.Tensor, layout: str) -> None:
     check_last_dim_contiguous("qkv", qkv)
 
 
-def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
+def _check_attention(
+    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None
+) -> None:
     _check_qkv(qkv, "padded")
+    if key_bounds is not None:
+        if not isinstance(key_bounds, torch.Tensor) or key_bounds.dtype != torch.int32:
+            raise TypeError(f"key_bounds must be an int32 tensor, got "
+                            f"{getattr(key_bounds, 'dtype', type(key_bounds).__name__)}")
+        if tuple(key_bounds.shape) != tuple(qkv.shape[:1]):
+            raise ValueError(f"key_bounds has shape {tuple(key_bounds.shape)}, expected [batch] = {tuple(qkv.shape[:1])}")
+        if key_bounds.device != qkv.device:
+            raise ValueError(f"key_bounds is on {key_bounds.device} but qkv is on {qkv.device}")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
             raise TypeError(f"key_padding_mask must be a bool tensor (True = real token), got "
@@ -236,7 +303,7 @@ def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seq
         raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
 
 
-def _attention_launch(qkv, out, key_padding_mask, cu_seqlens, max_seqlen, batch, seq_len) -> torch.Tensor:
+def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_seqlen, batch, seq_len):
     """The launch both layouts share; their launchers below have checked the arguments and allocated ``out``."""
     varlen = cu_seqlens is not None
     heads, head_dim = qkv.shape[-2], qkv.shape[-1]
@@ -244,7 +311,8 @@ def _attention_launch(qkv, out, key_padding_mask, cu_seqlens, max_seqlen, batch,
         return out
     config = _attention_config(head_dim, qkv.dtype, qkv.device)
     q, k, v = qkv.unbind(-3)  # views: same strides, pointers one "3" stride apart
-    mask = key_padding_mask
+    mask, bounds = key_padding_mask, key_bounds
+    even_n = not varlen and bounds is None and seq_len % config["BLOCK_N"] == 0
     grid = (batch * heads, triton.cdiv(max_seqlen, config["BLOCK_M"]))
     for_device(_attention_fwd_kernel, qkv.device)[grid](
         q,
@@ -252,6 +320,7 @@ def _attention_launch(qkv, out, key_padding_mask, cu_seqlens, max_seqlen, batch,
         v,
         out,
         qkv if mask is None else mask,  # dummy pointers when absent: never read
+        qkv if bounds is None else bounds,
         qkv if cu_seqlens is None else cu_seqlens,
         0 if varlen else qkv.stride(0),
         qkv.stride(-4),
@@ -260,11 +329,14 @@ def _attention_launch(qkv, out, key_padding_mask, cu_seqlens, max_seqlen, batch,
         out.stride(-2),
         0 if mask is None else mask.stride(0),
         0 if mask is None else mask.stride(1),
+        0 if bounds is None else bounds.stride(0),
         seq_len,
         heads,
         head_dim,
         math.log2(math.e) / math.sqrt(head_dim),
         HAS_MASK=mask is not None,
+        HAS_BOUND=bounds is not None,
+        EVEN_N=even_n,
         VARLEN=varlen,
         INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
         **config,
@@ -272,28 +344,32 @@ def _attention_launch(qkv, out, key_padding_mask, cu_seqlens, max_seqlen, batch,
     return out
 
 
-def _attention_padded_launch(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-    _check_attention(qkv, key_padding_mask)
+def _attention_padded_launch(
+    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None
+) -> torch.Tensor:
+    _check_attention(qkv, key_padding_mask, key_bounds)
     batch, seq_len, _, heads, head_dim = qkv.shape
     out = torch.empty((batch, seq_len, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    return _attention_launch(qkv, out, key_padding_mask, None, seq_len, batch, seq_len)
+    return _attention_launch(qkv, out, key_padding_mask, key_bounds, None, seq_len, batch, seq_len)
 
 
 def _attention_varlen_launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     _check_attention_varlen(qkv, cu_seqlens, max_seqlen)
     tokens, _, heads, head_dim = qkv.shape
     out = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    return _attention_launch(qkv, out, None, cu_seqlens, max_seqlen, cu_seqlens.shape[0] - 1, 0)
+    return _attention_launch(qkv, out, None, None, cu_seqlens, max_seqlen, cu_seqlens.shape[0] - 1, 0)
 
 
 @torch.library.custom_op("fastbert::attention", mutates_args=())
-def _attention_op(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-    return _attention_padded_launch(qkv, key_padding_mask)
+def _attention_op(
+    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None
+) -> torch.Tensor:
+    return _attention_padded_launch(qkv, key_padding_mask, key_bounds)
 
 
 @_attention_op.register_fake
-def _(qkv, key_padding_mask):
-    _check_attention(qkv, key_padding_mask)
+def _(qkv, key_padding_mask, key_bounds):
+    _check_attention(qkv, key_padding_mask, key_bounds)
     batch, seq_len, _, heads, head_dim = qkv.shape
     return qkv.new_empty((batch, seq_len, heads, head_dim))
 
@@ -310,16 +386,22 @@ def _(qkv, cu_seqlens, max_seqlen):
     return qkv.new_empty((tokens, heads, head_dim))
 
 
-def attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Padded layout: qkv [B, S, 3, H, D], key_padding_mask [B, S] bool (True = real token) or None
-    -> out [B, S, H, D], contiguous, qkv's dtype. Same semantics as ``attention_ref``.
+def attention(
+    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None, key_bounds: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Padded layout: qkv [B, S, 3, H, D], key_padding_mask [B, S] bool (True = real token) or None, key_bounds [B]
+    int32 or None -> out [B, S, H, D], contiguous, qkv's dtype. Same semantics as ``attention_ref``.
+
+    key_bounds[b]: every key at index >= key_bounds[b] is padding (any int: clamped to [0, S] by the kernel, which
+    then never loads those key blocks). With key_bounds = index of the last real token + 1, computed from the mask,
+    the output is bit-identical to the mask alone, and trailing padding costs no key-loop work.
 
     qkv is read through its strides (typically ``gemm_out.view(B, S, 3, H, D)`` of the fused QKV projection
     [B*S, 3*H*D]; only the head dim must have stride 1): no transpose copy. D <= 128, any value. Padded query rows
     are computed too (they attend to the real keys); a row whose keys are all masked is zeros.
     fp32 on CUDA multiplies in TF32 only where torch allows it for fp32 matmuls (``allow_tf32``/``fp32_precision``).
     """
-    return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask)
+    return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask, key_bounds)
 
 
 def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:

@@ -97,3 +97,17 @@ def test_bias_act_errors():
         bias_act(x[None], bias, "gelu")
     with pytest.raises(ValueError, match="contiguous in its last dimension"):
         bias_act(x.t(), None, "gelu")
+
+
+def test_gemm_epilogue_only_where_exact():
+    """The activation goes into the GEMM's epilogue only where torch._addmm_activation computes exactly it: ReLU
+    everywhere, tanh GELU on CUDA; on CPU its GELU is the erf one (checked here), so tanh models keep the kernel."""
+    from fastbert.ops import gemm_epilogue
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [gemm_epilogue(a, cuda) for a in ("relu", "gelu_new", "gelu_pytorch_tanh", "gelu", "silu")] == \
+        [False, True, True, None, None]
+    assert [gemm_epilogue(a, cpu) for a in ("relu", "gelu_new", "gelu")] == [False, None, None]
+    x, w, b = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6)
+    torch.testing.assert_close(torch._addmm_activation(b, x, w.t(), use_gelu=True), torch.nn.functional.gelu(x @ w.t() + b))
+    torch.testing.assert_close(torch._addmm_activation(b, x, w.t()), torch.relu(x @ w.t() + b))
