@@ -8,15 +8,16 @@ Backends, fastest first:
 - ``torch``: plain PyTorch (the reference ops, SDPA for attention). Always applies; it is also what runs when
   autograd needs gradients (the fused kernels are forward-only), dropout is active, or an activation has no kernel.
 
-``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice (read at every call, so tests can switch it);
-``FASTBERT_BACKEND=torch`` also keeps the GEMMs on ``F.linear``, and ``FASTBERT_CPU_GEMM=auto|onednn|torch`` picks the
-CPU GEMM library alone.
+``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice; ``FASTBERT_BACKEND=torch`` also keeps the GEMMs on
+``F.linear``, and ``FASTBERT_CPU_GEMM=auto|onednn|torch`` picks the CPU GEMM library alone. The environment is read
+once, at the first forward (``reload_settings()`` reads it again): an op's choice then costs one dict lookup.
 Each backend states why it does not apply; ``fastbert.info()`` reports those reasons, and the first time a faster
 backend is skipped for a reason other than the user's own choice, a warning says why.
 """
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -31,23 +32,53 @@ _CPU_EXT_DTYPES = (torch.float32, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def requested_backend() -> str:
-    value = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
-    if value not in ("auto", "torch", "triton"):
-        raise ValueError(f"{ENV_BACKEND}={value!r}: expected one of auto, torch, triton")
+@dataclass(frozen=True)
+class Settings:
+    backend: str  # FASTBERT_BACKEND: auto, torch or triton
+    cpu_gemm: str  # FASTBERT_CPU_GEMM: auto, onednn or torch
+    interpreter: bool  # TRITON_INTERPRET set: Triton may run CPU tensors (through its interpreter)
+
+
+_settings: Settings | None = None
+
+
+def _read(name: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, "auto").strip().lower() or "auto"
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
     return value
+
+
+def settings() -> Settings:
+    """The environment's settings, read on first use (an invalid value raises ValueError naming the variable)."""
+    global _settings
+    if _settings is None:
+        _settings = Settings(
+            backend=_read(ENV_BACKEND, ("auto", "torch", "triton")),
+            cpu_gemm=_read(ENV_CPU_GEMM, ("auto", "onednn", "torch")),
+            interpreter=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        )
+    return _settings
+
+
+def reload_settings() -> None:
+    """Have the next forward read the environment again (after changing ``FASTBERT_BACKEND``, ``FASTBERT_CPU_GEMM``
+    or ``TRITON_INTERPRET`` at run time). CUDA graphs captured before keep what they captured."""
+    global _settings
+    _settings = None
+
+
+def requested_backend() -> str:
+    return settings().backend
 
 
 def requested_cpu_gemm() -> str:
     """``FASTBERT_CPU_GEMM=auto|onednn|torch``: the CPU GEMM library (auto: the faster one measured here)."""
-    value = os.environ.get(ENV_CPU_GEMM, "auto").strip().lower() or "auto"
-    if value not in ("auto", "onednn", "torch"):
-        raise ValueError(f"{ENV_CPU_GEMM}={value!r}: expected one of auto, onednn, torch")
-    return value
+    return settings().cpu_gemm
 
 
 def triton_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return settings().interpreter
 
 
 _TRITON_MISSING = None if importlib.util.find_spec("triton") else "triton is not installed"
@@ -125,8 +156,9 @@ def choose(op: str, tensor: torch.Tensor, needs_reference: str | None = None) ->
     lookup after the first call with the same arguments and settings (no device sync)."""
     if exporting() or (op == "gemm" and torch.compiler.is_compiling()):
         return "torch"  # exporters trace plain torch ops: no custom op reaches an ONNX or ExportedProgram graph
-    key = (op, tensor.device, tensor.dtype, needs_reference, requested_backend(), triton_interpreter(),
-           (requested_cpu_gemm(), torch.backends.mkldnn.enabled) if op == "gemm" else None)
+    env = _settings or settings()
+    key = (op, tensor.device, tensor.dtype, needs_reference, env.backend, env.interpreter,
+           (env.cpu_gemm, torch.backends.mkldnn.enabled) if op == "gemm" else None)
     if key not in _plans:
         _plans[key] = _plan(*key)
     backend, warning = _plans[key]

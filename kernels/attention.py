@@ -207,16 +207,18 @@ _ATTENTION_CONFIGS = {
 
 @functools.lru_cache(maxsize=None)
 def _gpu_arch(device_index: int) -> str:
-    """The table's arch family of a CUDA device: one capability query per device index."""
+    """The table's arch family of a CUDA device: asked at its first launch (never at import), once per index."""
     major, _ = torch.cuda.get_device_capability(device_index)
     return "sm90" if major >= 9 else "sm80"
 
 
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # a power of two >= 16 (tl.dot's minimum)
+
+
 def _gpu_config(arch: str, head_dim: int, dtype: torch.dtype) -> dict:
-    block_d = max(16, triton.next_power_of_2(head_dim))  # a power of two >= 16 (tl.dot's minimum)
-    block_m, block_n, num_warps, num_stages = _ATTENTION_CONFIGS[
-        arch, "fp32" if dtype == torch.float32 else "16bit", block_d
-    ]
+    block_d, dtype_class = _block_d(head_dim), "fp32" if dtype == torch.float32 else "16bit"
+    block_m, block_n, num_warps, num_stages = _ATTENTION_CONFIGS[arch, dtype_class, block_d]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -226,8 +228,7 @@ def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device) -
     timed on a GPU. The interpreter takes 16 x 16 blocks (tl.dot's minimum): cheap programs, and short test
     sequences cross blocks."""
     if interpreting(device):
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=1,
-                    num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=_block_d(head_dim), num_warps=1, num_stages=1)
     index = torch.cuda.current_device() if device.index is None else device.index
     return _gpu_config(_gpu_arch(index), head_dim, dtype)
 
@@ -267,16 +268,14 @@ def _check_qkv(qkv: torch.Tensor, layout: str) -> None:
     check_last_dim_contiguous("qkv", qkv)
 
 
-def _check_attention(
-    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None
-) -> None:
+def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None):
     _check_qkv(qkv, "padded")
     if key_bounds is not None:
         if not isinstance(key_bounds, torch.Tensor) or key_bounds.dtype != torch.int32:
             raise TypeError(f"key_bounds must be an int32 tensor, got "
                             f"{getattr(key_bounds, 'dtype', type(key_bounds).__name__)}")
         if tuple(key_bounds.shape) != tuple(qkv.shape[:1]):
-            raise ValueError(f"key_bounds has shape {tuple(key_bounds.shape)}, expected [batch] = {tuple(qkv.shape[:1])}")
+            raise ValueError(f"key_bounds has shape {tuple(key_bounds.shape)}, expected [batch] = ({qkv.shape[0]},)")
         if key_bounds.device != qkv.device:
             raise ValueError(f"key_bounds is on {key_bounds.device} but qkv is on {qkv.device}")
     if key_padding_mask is not None:
@@ -344,9 +343,7 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
     return out
 
 
-def _attention_padded_launch(
-    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None
-) -> torch.Tensor:
+def _attention_padded_launch(qkv, key_padding_mask, key_bounds) -> torch.Tensor:
     _check_attention(qkv, key_padding_mask, key_bounds)
     batch, seq_len, _, heads, head_dim = qkv.shape
     out = torch.empty((batch, seq_len, heads, head_dim), dtype=qkv.dtype, device=qkv.device)

@@ -182,3 +182,22 @@ def read_backs(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     return counts
+
+
+@pytest.fixture(autouse=True)
+def _environment_settings():
+    """fastbert reads its environment variables once: each test starts from the environment as it is."""
+    fastbert.dispatch.reload_settings()
+
+
+@pytest.fixture
+def fastbert_env(monkeypatch):
+    """fastbert_env(FASTBERT_BACKEND="triton", ...): set environment variables for this test and have fastbert read
+    them again (undone after the test)."""
+
+    def set_env(**values: str) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        fastbert.dispatch.reload_settings()
+
+    return set_env

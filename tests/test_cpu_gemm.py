@@ -13,12 +13,12 @@ from fastbert.kernels import cpu_linear
 
 
 @pytest.fixture
-def onednn(monkeypatch):
+def onednn(fastbert_env):
     """oneDNN GEMMs forced for one test (whatever the measurement on this CPU would pick)."""
     reasons = cpu_linear.unavailable_reasons(torch.float32)
     if reasons:
         pytest.skip("; ".join(reasons))
-    monkeypatch.setenv("FASTBERT_CPU_GEMM", "onednn")
+    fastbert_env(FASTBERT_CPU_GEMM="onednn")
 
 
 SHAPES = [(1, 312, 26), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens, in, out)
@@ -141,8 +141,8 @@ def test_packed_weights_follow_the_parameters(onednn):
     check()
 
 
-def test_backend_torch_keeps_f_linear(monkeypatch):
-    monkeypatch.setenv("FASTBERT_BACKEND", "torch")
+def test_backend_torch_keeps_f_linear(fastbert_env):
+    fastbert_env(FASTBERT_BACKEND="torch")
     config = FAMILY_CONFIGS["bert"]
     _, fast = _pair(config)
     with torch.inference_mode():
@@ -159,12 +159,12 @@ def test_info_reports_the_measurement():
 
 
 @pytest.mark.parametrize("gemm", ["onednn", "torch"])
-def test_bf16_error_within_hf_bf16_error(monkeypatch, gemm):
+def test_bf16_error_within_hf_bf16_error(fastbert_env, gemm):
     """bf16 on CPU: fastbert's error vs the fp32 model at most 1.2x transformers' own bf16 error (mean and max over
     real tokens), with either GEMM library. Statistics (LayerNorm, softmax) stay fp32 inside the ops."""
     if gemm == "onednn" and cpu_linear.unavailable_reasons(torch.bfloat16):
         pytest.skip("; ".join(cpu_linear.unavailable_reasons(torch.bfloat16)))
-    monkeypatch.setenv("FASTBERT_CPU_GEMM", gemm)
+    fastbert_env(FASTBERT_CPU_GEMM=gemm)
     config = transformers.BertConfig(vocab_size=99, hidden_size=256, num_attention_heads=4, num_hidden_layers=4,
                                      intermediate_size=1024, max_position_embeddings=64)
     reference, _ = _pair(config)

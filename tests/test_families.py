@@ -233,11 +233,10 @@ def test_optimize_every_head(family, head, assert_matches_hf, caplog):
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)
-def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf):
+def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, fastbert_env):
     """FASTBERT_BACKEND=triton, TRITON_INTERPRET=1: every op of the family runs its Triton kernel (counted)."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("FASTBERT_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fastbert_env(FASTBERT_BACKEND="triton", TRITON_INTERPRET="1")
     from fastbert.kernels import activation, attention, embedding, layer_norm
 
     calls = {}

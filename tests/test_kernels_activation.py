@@ -109,5 +109,6 @@ def test_gemm_epilogue_only_where_exact():
         [False, True, True, None, None]
     assert [gemm_epilogue(a, cpu) for a in ("relu", "gelu_new", "gelu")] == [False, None, None]
     x, w, b = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6)
-    torch.testing.assert_close(torch._addmm_activation(b, x, w.t(), use_gelu=True), torch.nn.functional.gelu(x @ w.t() + b))
+    gelu = torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    torch.testing.assert_close(gelu, torch.nn.functional.gelu(x @ w.t() + b))
     torch.testing.assert_close(torch._addmm_activation(b, x, w.t()), torch.relu(x @ w.t() + b))

@@ -10,15 +10,20 @@ bf16 runs on CUDA only: under Triton 3.9's interpreter ``tl.dot`` on bf16 operan
 fp32 and fp16 dots, bf16 loads/stores and casts are right there.
 """
 
+import itertools
+
 import pytest
 import torch
 
-from fastbert.kernels._common import compilable, compile_for_gpu
+from fastbert.kernels._common import compilable, compile_for_gpu, interpreting
 from fastbert.kernels.attention import (
+    _ATTENTION_CONFIGS,
     _attention_config,
     _attention_fwd_kernel,
     _attention_op,
     _attention_varlen_op,
+    _gpu_arch,
+    _gpu_config,
     _input_precision,
     attention,
     attention_ref,
@@ -55,10 +60,16 @@ def mixed_mask(seq_len, device):
     return mask.to(device)
 
 
-def check_padded(qkv, mask):
-    out = attention(qkv, mask)
-    ref32 = attention_ref(qkv.float(), mask)
-    assert_close_to_ref(out, ref32, attention_ref(qkv, mask, upcast=False), fp32_tol=FP32_TOL)
+def bounds_of(mask):
+    """key_bounds as the caller computes them: index of the last real token + 1 (0 for a row with none)."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask * positions).amax(dim=1).to(torch.int32)
+
+
+def check_padded(qkv, mask, bounds=None):
+    out = attention(qkv, mask, bounds)
+    ref32 = attention_ref(qkv.float(), mask, bounds)
+    assert_close_to_ref(out, ref32, attention_ref(qkv, mask, bounds, upcast=False), fp32_tol=FP32_TOL)
     assert out.shape == qkv.shape[:2] + qkv.shape[3:] and out.is_contiguous()
     return out
 
@@ -84,6 +95,53 @@ def test_attention_padded_no_mask(device, dtype, head_dim, seq_len):
     check_padded(qkv, None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_len", [1, 5, 17, 32, 33])
+@pytest.mark.parametrize("head_dim", [26, 64])
+def test_attention_key_bounds_bit_identical(device, dtype, head_dim, seq_len):
+    """key_bounds consistent with the mask (right and left padding, holes, a fully padded row) skip key blocks
+    without changing a bit: blocks past the bound would only have been masked. Also bound alone == the prefix mask it
+    stands for. S = 32 compares the EVEN_N mask-only kernel with the bounded one."""
+    skip_bf16_on_interpreter(dtype, device)
+    mask = mixed_mask(seq_len, device)
+    qkv = fused_qkv(4 * seq_len, head_dim, dtype, device).view(4, seq_len, 3, HEADS, head_dim)
+    bounds = bounds_of(mask)
+    assert torch.equal(attention(qkv, mask, bounds), attention(qkv, mask))
+    prefix = torch.arange(seq_len, device=device)[None, :] < bounds[:, None].long()
+    assert torch.equal(attention(qkv, None, bounds), attention(qkv, prefix))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
+def test_attention_key_bounds_inconsistent_with_mask(device, dtype, with_mask):
+    """Bounds cutting into real tokens, past S, 0 and negative: keys >= bound are masked on top of the mask."""
+    skip_bf16_on_interpreter(dtype, device)
+    seq_len, head_dim = 33, 26
+    mask = mixed_mask(seq_len, device) if with_mask else None
+    bounds = torch.tensor([7, 40, 17, -1], dtype=torch.int32, device=device)
+    qkv = fused_qkv(4 * seq_len, head_dim, dtype, device).view(4, seq_len, 3, HEADS, head_dim)
+    out = check_padded(qkv, mask, bounds)
+    assert (out[3] == 0).all()
+    check_padded(qkv[:2], None if mask is None else mask[:2], torch.zeros(2, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_len", [32, 64])
+@pytest.mark.parametrize("head_dim", [26, 64])
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
+def test_attention_even_n(device, dtype, head_dim, seq_len, with_mask):
+    """S a multiple of BLOCK_N (EVEN_N: no per-key bound check) against the reference, and bit for bit against the
+    bound-checked loop (key_bounds = S turns EVEN_N off and masks nothing)."""
+    skip_bf16_on_interpreter(dtype, device)
+    if seq_len % _attention_config(head_dim, dtype, device)["BLOCK_N"]:
+        pytest.skip("S is not a multiple of this device's BLOCK_N")
+    mask = mixed_mask(seq_len, device)[:2] if with_mask else None
+    qkv = fused_qkv(2 * seq_len, head_dim, dtype, device).view(2, seq_len, 3, HEADS, head_dim)
+    out = check_padded(qkv, mask)
+    full = torch.full((2,), seq_len, dtype=torch.int32, device=device)
+    assert torch.equal(out, attention(qkv, mask, full))
+
+
 def test_attention_reads_through_strides(device):
     """qkv inside a wider GEMM buffer (row stride > 3*H*D) and a mask that is a strided view: no copies needed."""
     seq_len, head_dim = 17, 26
@@ -92,6 +150,7 @@ def test_attention_reads_through_strides(device):
     assert qkv.stride(1) == 3 * HEADS * head_dim + 40
     mask = mixed_mask(2 * seq_len, device)[:3, ::2]
     check_padded(qkv, mask)
+    check_padded(qkv, mask, bounds_of(mixed_mask(seq_len, device)[[1, 0, 2, 0]])[::2])  # strided key_bounds
 
 
 def test_attention_large_scores(device):
@@ -155,34 +214,72 @@ def test_attention_fp32_precision_follows_torch_setting():
         torch.set_float32_matmul_precision(before)
 
 
+# Shared memory per SM: H100 228 KiB, A100 164 KiB.
+SHARED_MEMORY = {"sm90": 228 * 1024, "sm80": 164 * 1024}
+
+
+def test_attention_config_table():
+    """An entry for every arch, dtype class and BLOCK_D (16..128), each fitting its arch's shared memory by the
+    estimate the table's comment uses: q tile + stages * (k and v tiles)."""
+    keys = set(itertools.product(("sm80", "sm90"), ("16bit", "fp32"), (16, 32, 64, 128)))
+    assert set(_ATTENTION_CONFIGS) == keys
+    for (arch, dtype_class, block_d), (block_m, block_n, num_warps, num_stages) in _ATTENTION_CONFIGS.items():
+        elt = 4 if dtype_class == "fp32" else 2
+        shared = block_m * block_d * elt + num_stages * 2 * block_n * block_d * elt
+        assert shared <= SHARED_MEMORY[arch], (arch, dtype_class, block_d, shared)
+
+
+def test_attention_config_asks_the_arch_once_per_cuda_device(monkeypatch):
+    """The capability is asked only for CUDA devices, once per device index; 8.x -> sm80, 9.x and above -> sm90."""
+    capabilities = {0: (8, 0), 1: (9, 0), 2: (10, 0), 3: (7, 5)}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capabilities[i])
+    _gpu_arch.cache_clear()
+    try:
+        _attention_config(64, torch.float16, torch.device("cpu"))
+        assert asked == []
+        assert [_gpu_arch(i) for i in (0, 1, 2, 3, 0, 1)] == ["sm80", "sm90", "sm90", "sm80", "sm80", "sm90"]
+        assert asked == [0, 1, 2, 3]
+        if not interpreting(torch.device("cuda")):
+            assert _attention_config(64, torch.float16, torch.device("cuda", 1)) == _gpu_config("sm90", 64, torch.float16)
+            assert asked == [0, 1, 2, 3]
+    finally:
+        _gpu_arch.cache_clear()  # forget the fake capabilities
+
+
 @pytest.mark.skipif(not compilable(_attention_fwd_kernel), reason="TRITON_INTERPRET=1 at import")
 @pytest.mark.parametrize("dtype, precision", [(torch.float16, "tf32"), (torch.bfloat16, "tf32"),
                                               (torch.float32, "ieee"), (torch.float32, "tf32")])
 @pytest.mark.parametrize("head_dim", [25, 64, 128])
 def test_attention_compiles_for_h100(dtype, precision, head_dim):
     """The compiled path, which the interpreter never exercises (early exit, loop-carried types, the constexpr
-    layouts), builds for sm_90 with the launcher's GPU block sizes, fits H100's shared memory and spills no
-    registers (no GPU needed; compile_for_gpu specializes like a launch, which changes register allocation)."""
-    config = _attention_config(head_dim, dtype, torch.device("cuda"))
-    qkv, mask = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.bool)
-    cu_seqlens = torch.empty(0, dtype=torch.int32)
+    layouts), builds for sm_90 with the table's sm90 block sizes, fits H100's shared memory and spills no registers
+    (no GPU needed; compile_for_gpu specializes like a launch, which changes register allocation). Variants: padded
+    with mask and key bounds, padded EVEN_N with mask, varlen."""
+    config = _gpu_config("sm90", head_dim, dtype)
+    qkv, mask, i32 = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int32)
     hidden = 12 * head_dim
-    for varlen in (False, True):
+    for varlen, has_bound in ((False, True), (False, False), (True, False)):
+        even_n = not varlen and not has_bound
         compiled = compile_for_gpu(
-            _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, cu_seqlens,
-            0 if varlen else 128 * 3 * hidden, 3 * hidden, head_dim, hidden, head_dim, 128, 1, 0 if varlen else 128, 12,
-            head_dim, 0.18, HAS_MASK=not varlen, VARLEN=varlen, INPUT_PRECISION=precision, **config,
+            _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32,
+            0 if varlen else 128 * 3 * hidden, 3 * hidden, head_dim, hidden, head_dim, 128, 1, 1,
+            0 if varlen else 128, 12, head_dim, 0.18, HAS_MASK=not varlen, HAS_BOUND=has_bound, EVEN_N=even_n,
+            VARLEN=varlen, INPUT_PRECISION=precision, **config,
         )
         assert compiled.metadata.shared <= 227 * 1024
         resources = cubin_resources(compiled)
         if resources is not None:
-            assert resources[1] == 0, f"varlen={varlen}: {resources[0]} registers, {resources[1]} bytes of spills"
+            assert resources[1] == 0, (f"varlen={varlen} bound={has_bound}: {resources[0]} registers, "
+                                       f"{resources[1]} bytes of spills")
 
 
 def test_attention_opcheck():
     """torch.library's checks of both registered ops: schema, fake (meta) impl, autograd registration, AOT dispatch."""
     qkv = fused_qkv(10, 16, torch.float32, "cpu")
-    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), mixed_mask(5, "cpu")[:2]))
+    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), mixed_mask(5, "cpu")[:2], None))
+    bounds = torch.tensor([3, 5], dtype=torch.int32)
+    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), None, bounds))
     torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens_of([3, 0, 7], "cpu"), 7))
 
 
@@ -203,6 +300,17 @@ def test_attention_errors():
         attention(qkv, mask.int())
     with pytest.raises(ValueError, match=r"key_padding_mask has shape \(2, 4\)"):
         attention(qkv, mask[:, :4])
+    bounds = torch.tensor([5, 3], dtype=torch.int32)
+    with pytest.raises(TypeError, match="key_bounds must be an int32 tensor, got torch.int64"):
+        attention(qkv, mask, bounds.long())
+    with pytest.raises(TypeError, match="key_bounds must be an int32 tensor, got list"):
+        attention(qkv, mask, [5, 3])
+    with pytest.raises(ValueError, match=r"key_bounds has shape \(2, 1\), expected \[batch\] = \(2,\)"):
+        attention(qkv, mask, bounds[:, None])
+    with pytest.raises(ValueError, match=r"key_bounds has shape \(1,\)"):
+        attention(qkv, None, bounds[:1])
+    with pytest.raises(ValueError, match="key_bounds is on meta but qkv is on cpu"):
+        attention(qkv, mask, bounds.to("meta"))
     packed = qkv.view(10, 3, HEADS, 16)
     with pytest.raises(ValueError, match=r"qkv must be \[tokens, 3, heads, head_dim\]"):
         attention_varlen(qkv, cu_seqlens_of([5, 5], "cpu"), 5)

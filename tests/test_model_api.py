@@ -372,10 +372,9 @@ def test_info_command(tmp_path):
     assert printed["backends"] == fastbert.info()["backends"]
 
 
-def test_backend_torch_forces_torch(bert_trio, assert_matches_hf, monkeypatch):
+def test_backend_torch_forces_torch(bert_trio, assert_matches_hf, monkeypatch, fastbert_env):
     """FASTBERT_BACKEND=torch: every op on the torch path, the extension and the Triton kernels never called."""
-    monkeypatch.setenv("FASTBERT_BACKEND", "torch")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # would otherwise make Triton eligible on CPU
+    fastbert_env(FASTBERT_BACKEND="torch", TRITON_INTERPRET="1")  # would otherwise make Triton eligible on CPU
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("FASTBERT_BACKEND=torch ran a non-torch kernel")
@@ -400,10 +399,10 @@ def test_backend_torch_forces_torch(bert_trio, assert_matches_hf, monkeypatch):
     assert_matches_hf(out.last_hidden_state, out_hf.last_hidden_state, out_ref.last_hidden_state, mask)
 
 
-def test_backend_invalid_value_raises(bert_trio, monkeypatch):
+def test_backend_invalid_value_raises(bert_trio, fastbert_env):
     trio = bert_trio()
     input_ids, mask = right_padded(trio.config)
-    monkeypatch.setenv("FASTBERT_BACKEND", "cuda-please")
+    fastbert_env(FASTBERT_BACKEND="cuda-please")
     with pytest.raises(ValueError, match="FASTBERT_BACKEND"):
         with torch.no_grad():
             trio.fast(input_ids, attention_mask=mask)

@@ -231,12 +231,11 @@ def test_graph_safe_forward_reads_no_device_data(small_bert_config):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_graph_safe_forward_matches(model, backend, monkeypatch):
+def test_graph_safe_forward_matches(model, backend, fastbert_env):
     """The graph-safe forward (dense with the mask, no checks) gives the normal forward's outputs on real tokens."""
     if backend == "triton":
         pytest.importorskip("triton")
-        monkeypatch.setenv("FASTBERT_BACKEND", "triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        fastbert_env(FASTBERT_BACKEND="triton", TRITON_INTERPRET="1")
     mask = torch.ones(3, 7, dtype=torch.long)
     mask[0, 5:] = 0
     mask[2] = 0

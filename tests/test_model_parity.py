@@ -265,7 +265,7 @@ TRITON_ENTRY_POINTS = [
 
 
 @pytest.mark.parametrize("layout", ["dense", "packed", "dense-masked"])
-def test_triton_interpreted(bert_trio, assert_matches_hf, monkeypatch, layout):
+def test_triton_interpreted(bert_trio, assert_matches_hf, monkeypatch, layout, fastbert_env):
     """FASTBERT_BACKEND=triton with TRITON_INTERPRET=1: the whole model runs the Triton kernels on CPU tensors.
 
     triton 3.9's ``triton.jit`` decides between compiling and interpreting once, when the kernel module is imported,
@@ -278,8 +278,7 @@ def test_triton_interpreted(bert_trio, assert_matches_hf, monkeypatch, layout):
     import importlib
 
     pytest.importorskip("triton")
-    monkeypatch.setenv("FASTBERT_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fastbert_env(FASTBERT_BACKEND="triton", TRITON_INTERPRET="1")
     calls = {}
     for module_name, function in TRITON_ENTRY_POINTS:
         module = importlib.import_module(f"fastbert.kernels.{module_name}")
@@ -310,12 +309,11 @@ def test_triton_interpreted(bert_trio, assert_matches_hf, monkeypatch, layout):
     assert calls == expected
 
 
-def test_activation_without_kernel_warns_and_matches(bert_trio, assert_matches_hf, monkeypatch):
+def test_activation_without_kernel_warns_and_matches(bert_trio, assert_matches_hf, fastbert_env):
     """hidden_act "silu" has no fused kernel: on the Triton path bias+activation runs HF's module, the fallback is
     announced once, and the outputs still match HF."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("FASTBERT_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fastbert_env(FASTBERT_BACKEND="triton", TRITON_INTERPRET="1")
     trio = bert_trio(hidden_size=32, num_attention_heads=2, intermediate_size=48, hidden_act="silu")
     input_ids, token_type_ids = random_inputs(trio.config, 2, 6)
     with pytest.warns(RuntimeWarning, match="activation SiLUActivation has no fused kernel"):
@@ -323,12 +321,11 @@ def test_activation_without_kernel_warns_and_matches(bert_trio, assert_matches_h
     assert_matches_hf(out.last_hidden_state, out_hf.last_hidden_state, out_ref.last_hidden_state)
 
 
-def test_head_dim_above_kernel_limit_falls_back_to_sdpa(bert_trio, assert_matches_hf, monkeypatch):
+def test_head_dim_above_kernel_limit_falls_back_to_sdpa(bert_trio, assert_matches_hf, fastbert_env):
     """head_dim 130 > the Triton attention's MAX_HEAD_DIM (128): on the Triton path (every CUDA run) attention takes
     SDPA with a warning, instead of the kernel's ValueError; the other ops still run their kernels."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("FASTBERT_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fastbert_env(FASTBERT_BACKEND="triton", TRITON_INTERPRET="1")
     trio = bert_trio(hidden_size=260, num_attention_heads=2, intermediate_size=48)
     input_ids, token_type_ids = random_inputs(trio.config, 2, 6)
     mask = torch.ones(2, 6, dtype=torch.long)
