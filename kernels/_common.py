@@ -23,6 +23,7 @@ still import, so the ``*_ref`` functions and the torch path work; launching a ke
 """
 
 import contextlib
+import functools
 import threading
 import types
 
@@ -129,8 +130,10 @@ class _Launcher:
         return launch
 
 
+@functools.lru_cache(maxsize=None)
 def for_device(kernel, device: torch.device) -> _Launcher:
-    """The launchable form of ``kernel`` for tensors on ``device``: interpreted on CPU, compiled on CUDA."""
+    """The launchable form of ``kernel`` for tensors on ``device``: interpreted on CPU, compiled on CUDA (one per
+    kernel and device, built once: a launch costs host time on every layer)."""
     require_triton()
     return _Launcher(kernel, device)
 
@@ -174,6 +177,7 @@ def launch_or_op(launch, op, *args):
     return (launch if direct_launch(*(a for a in args if isinstance(a, torch.Tensor))) else op)(*args)
 
 
+@functools.lru_cache(maxsize=None)
 def calculate_settings(n: int) -> tuple[int, int]:
     """(BLOCK_SIZE, num_warps) for a kernel that holds one row of ``n`` elements per program.
 
