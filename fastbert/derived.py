@@ -16,7 +16,7 @@ such writes outside training, call ``fastbert.clear_caches(model)``. Cost: one e
 import torch
 from torch import nn
 
-_ATTRIBUTE = "_fastbert_derived"  # on the owning module: {name: (key, value)}
+ATTRIBUTE = "_fastbert_derived"  # on the owning module: {name: (key, value)}
 
 
 class _Entries(dict):
@@ -51,25 +51,25 @@ def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build)
     """
     if torch.compiler.is_compiling() or not all(isinstance(p, nn.Parameter) for p in params):
         return build(*params)
-    entries = owner.__dict__.get(_ATTRIBUTE) or {}
+    entries = owner.__dict__.get(ATTRIBUTE) or {}
     entry = entries.get(name)
     if entry is not None and _same(entry[0], params):
         return entry[1]
     # Outside inference mode, so the result is a normal tensor usable by later no-grad forwards too.
     with torch.inference_mode(False), torch.no_grad():
         value = build(*(p.detach() for p in params))
-    owner.__dict__[_ATTRIBUTE] = _Entries({**entries, name: (_key(params), value)})  # one assignment publishes it
+    owner.__dict__[ATTRIBUTE] = _Entries({**entries, name: (_key(params), value)})  # one assignment publishes it
     return value
 
 
 def discard(owner: nn.Module, name: str) -> None:
     """Drop ``owner``'s cached ``name`` (a training forward calls this: the weights are about to change)."""
-    entries = owner.__dict__.get(_ATTRIBUTE)
+    entries = owner.__dict__.get(ATTRIBUTE)
     if entries and name in entries:
-        owner.__dict__[_ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
+        owner.__dict__[ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
 
 
 def clear(module: nn.Module) -> None:
     """Drop every derived tensor cached in ``module`` and its submodules (they are rebuilt on the next forward)."""
     for m in module.modules():
-        m.__dict__.pop(_ATTRIBUTE, None)
+        m.__dict__.pop(ATTRIBUTE, None)

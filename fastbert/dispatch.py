@@ -179,7 +179,8 @@ def exporting() -> bool:
 
 def capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream (reading device data is then an error)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # (not while compiling: dynamo would trace the query into the graph, and a capture never compiles)
+    return not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _plans: dict[tuple, tuple[str, str | None]] = {}  # choose()'s key -> (backend, warning to show once)

@@ -13,13 +13,17 @@ graph's memory, so they stay valid after the next call.
 What runs without a graph (each reason warned once and listed by ``fastbert.info()``): a model that is not on a GPU,
 training mode, gradients, ``inputs_embeds``/``position_ids``/``output_hidden_states``, and shapes beyond the largest
 bucket. The inputs are checked as in eager mode before a replay (free for CPU inputs, one sync for GPU inputs unless
-``fastbert.set_input_checks(False)``).
+``fastbert.set_input_checks(False)``). The graphs run the dense masked path (packing sizes tensors from the data):
+values at padding positions are the dense path's, not the packed path's zeros.
 
-What invalidates the graphs: a parameter that moves or changes dtype (``.to()``, ``load_state_dict(assign=True)``),
-or is written in place (an optimizer step: cached derived weights such as the fused QKV would be stale). The
-parameters' storage and version are compared before every replay (~20-40 us for bert-base), and the graphs are
-recaptured when they differ. Settings read while capturing (``FASTBERT_BACKEND``, activations, hooks) are frozen into
-the graph: call ``fastbert.cuda_graphs(model)`` again to drop every graph after changing them.
+What invalidates the graphs, by itself: a parameter that moves, changes dtype, is replaced (``.to()``,
+``load_state_dict(assign=True)``) or written in place (an optimizer step), and derived weights dropped or rebuilt
+(``fastbert.clear_caches``, a forward with gradients): the parameters' identity, storage and version and the derived
+weights' identity are compared before every replay (tens of microseconds for bert-base), and the graphs recaptured
+when they differ. What is frozen into the graphs: the Python decisions taken while capturing (``FASTBERT_BACKEND``,
+hooks, which modules are wrapped: a PEFT adapter added, switched or merged, a submodule put in training mode): call
+``fastbert.cuda_graphs(model)`` again after changing them, which drops every graph. One replay runs at a time per
+model (a lock); a replay on another stream waits for the previous one.
 
 Memory: the graphs of one model share one memory pool, about the eager forward's activation memory at the largest
 bucket captured, plus each bucket's input and output buffers.
@@ -29,7 +33,8 @@ import threading
 
 import torch
 
-from . import announce, padding
+from . import announce, derived, dispatch, padding
+from .kernels._common import direct_launch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_SEQ_LENS = (16, 32, 64, 128, 256, 512)
@@ -63,15 +68,22 @@ def _buckets(name: str, sizes) -> tuple[int, ...]:
 
 
 class GraphSet:
-    """The captured graphs of one encoder, by bucket, with the parameters' state they were captured for."""
+    """The captured graphs of one encoder, by bucket, with the state of the weights they were captured for."""
 
     def __init__(self, batch_sizes: tuple[int, ...], seq_lens: tuple[int, ...]):
         self.batch_sizes, self.seq_lens = batch_sizes, seq_lens
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.params: list[torch.Tensor] = []
-        self.state: list[tuple[int, int]] = []
-        self.pool = None
         self.lock = threading.Lock()  # one replay at a time: the graphs share their input and output buffers
+        self.stream = None  # the one capture stream (per GraphSet: on the model's GPU)
+        self.last_stream = None  # the stream of the last replay
+        self._clear()
+
+    def _clear(self) -> None:
+        self.graphs: dict[tuple[int, int], _Graph | None] = {}  # None: its capture failed, the bucket runs eagerly
+        self.slots: list[tuple[dict, str, torch.nn.Parameter]] = []  # every parameter, where the model holds it
+        self.owners: list[torch.nn.Module] = []  # the modules holding derived weights (``derived.py``)
+        self.state: tuple | None = None  # ``_weights_state`` when the graphs were captured
+        self.alive: list = []  # what the graphs read and the state names by id: kept alive while they exist
+        self.pool = None
 
     # Copies and pickles of a model start without graphs (they hold device memory and the original's pointers).
     def __deepcopy__(self, memo):
@@ -87,6 +99,14 @@ class GraphSet:
         """The model's output for this call from a graph (the inputs checked first), or None where the call runs
         eagerly (the reason warned once)."""
         why = self._why_eager(model, kwargs)
+        input_ids = kwargs.get("input_ids")
+        if why is None and (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not input_ids.numel()):
+            why = ""  # (the eager forward raises the right error, or returns the empty batch)
+        bucket = None if why is not None else self._bucket(*input_ids.shape)
+        if why is None and bucket is None:
+            why = f"a batch beyond the largest bucket ({self.batch_sizes[-1]} x {self.seq_lens[-1]})"
+        if why is None and self.graphs.get(bucket, True) is None:
+            why = ""  # (its capture failed: warned then)
         if why is not None:
             if why:
                 announce.fallback(f"cuda_graphs: {why}: the call runs without a CUDA graph")
@@ -94,24 +114,76 @@ class GraphSet:
         inputs = {name: kwargs.get(name) for name in (*_GRAPHED, *_EAGER_INPUTS)}
         with torch.no_grad():
             indices, layout = model._prepare(inputs, unpad=False)  # the eager checks; [3, B*S], dense layout
-        bucket = self._bucket(model, layout.batch, layout.seq_len)
-        if bucket is None:
-            announce.fallback(f"cuda_graphs: a batch beyond the largest bucket ({self.batch_sizes[-1]} x "
-                              f"{self.seq_lens[-1]}): the call runs without a CUDA graph")
-            return None
         # Buffers and graphs outside inference mode (a later call may come without it), never recording gradients.
         with self.lock, torch.inference_mode(False), torch.no_grad():
-            self._check_params(model)
+            if self.state is not None and self._weights_state() != self.state:
+                self._clear()
             graph = self.graphs.get(bucket)
             if graph is None:
-                graph = self.graphs[bucket] = _Graph(model, *bucket, self._pool())
+                if any(type(p) is not torch.nn.Parameter for p in model.parameters()):
+                    announce.fallback("cuda_graphs: parameters that are not nn.Parameter (a replica or a functional "
+                                      "call): the call runs without a CUDA graph")
+                    return None
+                graph = self._capture(model, bucket)
+                if graph is None:
+                    return None
+            current = torch.cuda.current_stream(indices.device)
+            if self.last_stream is not None and self.last_stream != current:
+                current.wait_stream(self.last_stream)  # the previous replay's outputs are copied out first
+            self.last_stream = current
             return graph.replay(model, indices, layout)
+
+    def _capture(self, model, bucket: tuple[int, int]):
+        device = model.embeddings.word_embeddings.weight.device
+        if self.stream is None:
+            with torch.cuda.device(device):
+                self.stream = torch.cuda.Stream()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            graph = _Graph(model, *bucket, self.pool, self.stream)
+        except RuntimeError as error:
+            self.graphs[bucket] = None
+            announce.fallback(f"cuda_graphs: capturing the {bucket[0]} x {bucket[1]} bucket failed ({error}): its "
+                              "calls run without a CUDA graph")
+            return None
+        before = self.state
+        self._watch(model)
+        if before is not None and self.state != before:  # the warm-up rebuilt what the other graphs read: they go
+            self.graphs = {}
+        self.graphs[bucket] = graph
+        return graph
+
+    def _watch(self, model) -> None:
+        """Record what the graphs read, after a capture (whose warm-up built the derived weights)."""
+        # A marker that ``.to()``, ``.half()`` and ``clear_caches`` drop with the model's other derived weights.
+        derived.cached(model, "cuda_graphs", (), object)
+        modules = list(model.modules())
+        self.slots = [(m._parameters, n, p) for m in modules for n, p in m._parameters.items() if p is not None]
+        self.owners = [m for m in modules if m.__dict__.get(derived.ATTRIBUTE)]
+        self.alive.append((self.slots, [m.__dict__[derived.ATTRIBUTE] for m in self.owners]))
+        self.state = self._weights_state()
+
+    def _weights_state(self) -> tuple:
+        """What the graphs depend on, cheap enough for every call (~200 parameters for bert-base): each parameter's
+        version where the model still holds that same parameter (an in-place write changes what derived weights were
+        built from; a replaced parameter is read no more), and the identity of each derived-weights dict (replaced,
+        never mutated, when rebuilt or dropped: ``.to()``, ``clear_caches``, a forward with gradients). The objects
+        are kept alive in ``alive``, so no id is reused meanwhile."""
+        try:
+            versions = tuple(p._version if d[n] is p else None for d, n, p in self.slots)
+        except RuntimeError:  # an inference tensor (a parameter moved under inference_mode) keeps no version counter
+            versions = tuple((-1 if p.is_inference() else p._version) if d[n] is p else None
+                             for d, n, p in self.slots)
+        return versions, tuple(id(m.__dict__.get(derived.ATTRIBUTE)) for m in self.owners)
 
     def _why_eager(self, model, kwargs: dict) -> str | None:
         """Why this call cannot replay a graph ("" when it is expected and not worth a warning), or None."""
-        if torch.compiler.is_compiling() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return ""
+        from .modeling import _flag, _selected_states
+
         word = model.embeddings.word_embeddings.weight
+        if dispatch.capturing() or dispatch.exporting() or not direct_launch(word):
+            return ""  # (tracing, fake tensors, torch.func, or the user's own capture: the eager ops)
         if word.device.type != "cuda":
             return f"the model is on {word.device.type}, not a GPU"
         if model.training:
@@ -119,56 +191,39 @@ class GraphSet:
         if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
             return "gradients are required (call under torch.inference_mode() or torch.no_grad())"
         given = [name for name in _EAGER_INPUTS if kwargs.get(name) is not None]
-        if kwargs.get("output_hidden_states") or getattr(model.config, "output_hidden_states", False):
+        config = model.config
+        if _selected_states(_flag(kwargs, "output_hidden_states", config), config.num_hidden_layers) is not None:
             given.append("output_hidden_states")
         if given:
             return f"{', '.join(given)} given"
-        if kwargs.get("input_ids") is None:
-            return "no input_ids"
         return None
 
-    def _bucket(self, model, batch: int, seq_len: int) -> tuple[int, int] | None:
-        limit = model.max_seq_len(None)  # (the position table: a padded bucket may not run past it)
-        seq_lens = [min(s, limit) for s in self.seq_lens] if limit else self.seq_lens
+    def _bucket(self, batch: int, seq_len: int) -> tuple[int, int] | None:
+        # (Positions come from the call: the bucket's padding has position 0, so any bucket fits the table.)
         b = next((b for b in self.batch_sizes if b >= batch), None)
-        s = next((s for s in seq_lens if s >= seq_len), None)
-        return None if b is None or s is None or batch * seq_len == 0 else (b, s)
-
-    def _check_params(self, model) -> None:
-        """Drop the graphs when a parameter moved, changed dtype or was written since they were captured."""
-        if not self.params:
-            self.params = list(model.parameters()) + list(model.buffers())
-        state = [(p.data_ptr(), p._version) for p in self.params]
-        if state != self.state:
-            self.graphs.clear()
-            self.pool = None
-            self.state = state
-
-    def _pool(self):
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        return self.pool
+        s = next((s for s in self.seq_lens if s >= seq_len), None)
+        return None if b is None or s is None else (b, s)
 
 
 class _Graph:
     """One bucket: the encoder captured on static inputs [3, b, s] indices and a [b, s] mask."""
 
-    def __init__(self, model, batch: int, seq_len: int, pool):
+    def __init__(self, model, batch: int, seq_len: int, pool, stream):
         device = model.embeddings.word_embeddings.weight.device
         self.indices = torch.zeros(3, batch, seq_len, dtype=torch.long, device=device)
         self.mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
         layout = padding.dense_layout(batch, seq_len, self.mask)
-        # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels, derived weights are cached), then
-        # capture: nothing lazy may happen inside the capture.
+        # Warm up on the capture stream (Triton compiles, cuBLAS picks its kernels, derived weights are cached),
+        # then capture: nothing lazy may happen inside the capture. "thread_local": another thread's CUDA calls
+        # (e.g. a range check's read-back) do not invalidate it.
         with torch.cuda.device(device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 for _ in range(2):
                     model._encode(self.indices.view(3, -1), layout)
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self.output = model._encode(self.indices.view(3, -1), layout)
 
     def replay(self, model, indices: torch.Tensor, layout: padding.TokenLayout):

@@ -58,12 +58,11 @@ def test_copies_and_pickles_start_without_graphs(small_bert_config):
 
 
 @pytest.mark.parametrize("batch, seq_len, bucket", [(1, 1, (1, 16)), (3, 16, (4, 16)), (4, 17, (4, 32)),
-                                                    (8, 64, (8, 64)), (9, 8, None), (2, 65, None)])
-def test_buckets(small_bert_config, batch, seq_len, bucket):
-    """The smallest bucket holding the call; seq_lens capped at the position table (64 here)."""
-    model = fastbert.BertModel(small_bert_config())
-    assert model.config.max_position_embeddings == 64
-    assert GraphSet((1, 2, 4, 8), (16, 32, 128))._bucket(model, batch, seq_len) == bucket
+                                                    (8, 100, (8, 128)), (9, 8, None), (2, 129, None)])
+def test_buckets(batch, seq_len, bucket):
+    """The smallest bucket holding the call (the bucket's padding has position 0: the position table never limits
+    it)."""
+    assert GraphSet((1, 2, 4, 8), (16, 32, 128))._bucket(batch, seq_len) == bucket
 
 
 # --- on a GPU ------------------------------------------------------------------------------------------------------
@@ -153,3 +152,55 @@ def test_cuda_checks_and_eager_cases(cuda_device, small_bert_config):
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
     with pytest.warns(RuntimeWarning, match="gradients are required"):
         model(input_ids)
+
+
+def test_what_invalidates_the_graphs(small_bert_config):
+    """The state compared before each replay (no GPU needed to compute it): unchanged by eager inference forwards,
+    changed by an in-place write, a dtype change, replaced parameters, clear_caches and a forward with gradients."""
+    model = fastbert.BertModel(small_bert_config()).eval()
+    input_ids, _ = random_inputs(model.config, 2, 6)
+
+    def forward():
+        with torch.inference_mode():
+            model(input_ids)
+
+    def watched():
+        forward()  # (a capture's warm-up builds the derived weights)
+        graphs = GraphSet((2,), (16,))
+        graphs._watch(model)
+        return graphs
+
+    graphs = watched()
+    forward()
+    assert graphs._weights_state() == graphs.state
+    changes = {
+        "in place": lambda: model.encoder.layer[0].attention.self.key.bias.add_(1),
+        "dtype": lambda: model.double(),
+        "replaced": lambda: model.load_state_dict(model.state_dict(), assign=True),
+        "clear_caches": lambda: fastbert.clear_caches(model),
+        "gradients": lambda: model(input_ids).last_hidden_state.sum().backward(),
+    }
+    for name, change in changes.items():
+        graphs = watched()
+        with torch.no_grad() if name != "gradients" else torch.enable_grad():
+            change()
+        assert graphs._weights_state() != graphs.state, name
+
+
+@pytest.mark.parametrize("family", ["roberta", "distilbert", "electra"])
+def test_cuda_replay_other_families(cuda_device, family):
+    """RoBERTa-family positions (computed from the caller's ids before padding to the bucket), DistilBERT (no
+    pooler, no token types), ELECTRA (a projection after the embeddings): replays equal the eager dense forward."""
+    from test_families import FAMILIES, inputs
+
+    config = FAMILIES[family].config
+    model = fastbert.AutoModel.from_config(config).to(cuda_device).eval()
+    model.unpad = False
+    input_ids, mask = inputs(config, 3, 10)
+    with torch.inference_mode():
+        expected = model(input_ids.to(cuda_device), attention_mask=mask.to(cuda_device))
+        _graphed(model, cuda_device)
+        out = model(input_ids, attention_mask=mask)
+    assert len(model._graphs.graphs) == 1
+    real = mask.bool().to(cuda_device)
+    torch.testing.assert_close(out.last_hidden_state[real], expected.last_hidden_state[real], rtol=0, atol=ATOL)
