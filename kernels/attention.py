@@ -62,10 +62,10 @@ def attention_varlen_ref(
 #   out   = acc / l
 # Until a row has seen a real key, m = -inf; the exponents then use 0 instead of m' (so -inf - -inf never makes a
 # NaN), and a row with no real key at all ends with acc = 0, l = 0 and is written as zeros (l guarded to 1).
-# A block whose keys are all masked changes nothing (p = 0, alpha = 2^0 = 1, exactly): so stopping the loop at
-# key_bounds[b] (HAS_BOUND) instead of loading trailing padding blocks and masking them gives bit-identical results
-# whenever every key at or past the bound is masked anyway. With EVEN_N (padded layout, S a multiple of BLOCK_N,
-# no bound) every block is full: the per-key `keys < S` check goes, leaving only the head-dim and key-padding masks.
+# A block whose keys are all masked changes nothing (p = 0 and alpha = 2^0 = 1 exactly, or acc = l = 0 still): so
+# stopping the loop at key_bounds[b] (HAS_BOUND) instead of loading trailing padding blocks and masking them gives
+# bit-identical results whenever every key at or past the bound is masked anyway. With EVEN_N (padded layout, 16-bit, S a multiple of
+# BLOCK_N, no bound) every block is full: the per-key `keys < S` check goes, leaving the head-dim and padding masks.
 # The head dim D is padded to BLOCK_D (a power of two, >= 16 for tl.dot) with masked loads: padded lanes are 0 in
 # q, k and v, so they add nothing to q.k and are never stored.
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def _attention_fwd_kernel(
     qk_scale,  # log2(e) / sqrt(D)
     HAS_MASK: tl.constexpr,  # read MASK (padded layout only)
     HAS_BOUND: tl.constexpr,  # read KEY_BOUNDS and stop each sequence's key loop there (padded layout only)
-    EVEN_N: tl.constexpr,  # padded layout, seq_len % BLOCK_N == 0 and no HAS_BOUND: every key block is full
+    EVEN_N: tl.constexpr,  # every key block is full: padded, seq_len % BLOCK_N == 0, no HAS_BOUND (see launcher)
     VARLEN: tl.constexpr,  # packed layout with CU_SEQLENS instead of [B, S]
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 operands: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,  # query rows per program
@@ -311,7 +311,9 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
     config = _attention_config(head_dim, qkv.dtype, qkv.device)
     q, k, v = qkv.unbind(-3)  # views: same strides, pointers one "3" stride apart
     mask, bounds = key_padding_mask, key_bounds
-    even_n = not varlen and bounds is None and seq_len % config["BLOCK_N"] == 0
+    # Full key blocks need no bound check. 16-bit only: fp32 is the exact path, not the fast one, and its EVEN_N
+    # builds spill on sm_90 (ptxas 13.4: 32 bytes per thread at D = 128 "ieee" with a mask; the checked loop: none).
+    even_n = qkv.dtype != torch.float32 and not varlen and bounds is None and seq_len % config["BLOCK_N"] == 0
     grid = (batch * heads, triton.cdiv(max_seqlen, config["BLOCK_M"]))
     for_device(_attention_fwd_kernel, qkv.device)[grid](
         q,
