@@ -200,7 +200,7 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
         if layout.packed:
             return attention_kernels.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen).view(tokens, hidden)
         padded = heads.view(layout.batch, layout.seq_len, 3, num_heads, head_dim)
-        return attention_kernels.attention(padded, layout.key_padding_mask).view(tokens, hidden)
+        return attention_kernels.attention(padded, layout.key_padding_mask, layout.key_bounds).view(tokens, hidden)
     if layout.packed:
         if qkv.device.type == "cuda":  # (a loop of small SDPA calls would be host-bound on a GPU)
             return _attention_packed_via_padded_sdpa(heads, layout, dropout_p).view(tokens, hidden)

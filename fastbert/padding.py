@@ -17,7 +17,8 @@ import torch.nn.functional as F
 class TokenLayout:
     """How the [N, hidden] activations map onto the [batch, seq_len] input.
 
-    Dense: N = batch * seq_len, row-major; ``key_padding_mask`` [B, S] bool (True = real token) or None.
+    Dense: N = batch * seq_len, row-major; ``key_padding_mask`` [B, S] bool (True = real token) or None, and with
+    it ``key_bounds`` [B] int32: one past each row's last real token (attention skips the keys after it).
     Packed: N = total real tokens in mask order; ``indices`` [N] int64 into the flattened [B * S];
     ``cu_seqlens`` [B + 1] int32 (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); ``seqlens`` the same on host.
     """
@@ -28,6 +29,7 @@ class TokenLayout:
     indices: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     seqlens: tuple[int, ...] | None = None
+    key_bounds: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -43,11 +45,18 @@ class TokenLayout:
             return None if t is None else t.to(device, non_blocking=True)
 
         return replace(self, key_padding_mask=move(self.key_padding_mask), indices=move(self.indices),
-                       cu_seqlens=move(self.cu_seqlens))
+                       cu_seqlens=move(self.cu_seqlens), key_bounds=move(self.key_bounds))
 
 
 def dense_layout(batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> TokenLayout:
-    return TokenLayout(batch, seq_len, key_padding_mask=None if attention_mask is None else attention_mask.bool())
+    if attention_mask is None:
+        return TokenLayout(batch, seq_len)
+    keep = attention_mask.bool()
+    # One past the last real token of each row, on the device (no sync): every key after it is padding, so the
+    # attention's key loop stops there. [B] int32; 0 for a fully padded row.
+    positions = torch.arange(1, seq_len + 1, dtype=torch.int32, device=keep.device)
+    key_bounds = (keep * positions).amax(dim=1) if seq_len else keep.new_zeros(batch, dtype=torch.int32)
+    return TokenLayout(batch, seq_len, key_padding_mask=keep, key_bounds=key_bounds.to(torch.int32))
 
 
 def sequence_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
