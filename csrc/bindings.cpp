@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "embedding_layer_norm.h"
+#include "fingerprint.h"
 
 namespace py = pybind11;
 
@@ -94,6 +95,15 @@ std::string cuda_probe() {
 #endif
 }
 
+uint64_t fingerprint(const std::vector<std::uintptr_t>& pointers, const std::vector<int64_t>& nbytes) {
+  if (pointers.size() != nbytes.size()) throw std::invalid_argument("pointers and nbytes must have the same length");
+  for (size_t i = 0; i < pointers.size(); ++i) {
+    if (nbytes[i] < 0) throw std::invalid_argument("nbytes must be >= 0");
+    if (nbytes[i] > 0 && pointers[i] == 0) throw std::invalid_argument("null data pointer");
+  }
+  return fastbert::fingerprint(pointers, nbytes);
+}
+
 std::vector<std::string> split_words(const std::string& text) {
   std::istringstream stream(text);
   std::vector<std::string> words;
@@ -146,6 +156,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("position"), py::arg("token_type"), py::arg("weight"), py::arg("bias"), py::arg("n_tokens"),
         py::arg("hidden"), py::arg("vocab"), py::arg("max_positions"), py::arg("type_vocab"), py::arg("eps"),
         py::arg("dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("fingerprint", &fingerprint,
+        "A 64-bit hash of ~16 words sampled from each contiguous CPU buffer (pointers[i], nbytes[i] bytes; buffers "
+        "of at most 128 bytes are read whole). Same positions for the same sizes: equal memory, equal hash.",
+        py::arg("pointers"), py::arg("nbytes"));
 
   m.def("cuda_probe", &cuda_probe,
         "'' when the CUDA kernel can run on the current device, else why not (no kernel image for this GPU, "

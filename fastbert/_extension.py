@@ -78,6 +78,15 @@ def _cuda_reasons(index: int) -> tuple[str, ...]:
     return (f"fastbert._C's CUDA kernels cannot run on cuda:{index}: {problem}",) if problem else ()
 
 
+def has_fingerprint() -> bool:
+    return _C is not None and hasattr(_C, "fingerprint")
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> int:
+    """``_C.fingerprint`` of contiguous CPU tensors (the caller holds them while this reads their memory)."""
+    return _C.fingerprint([t.data_ptr() for t in tensors], [t.numel() * t.element_size() for t in tensors])
+
+
 def _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
     """The op's contract (kernels/embedding.py's ``check_embedding_args``: metadata only, fake tensors too), plus
     what ``_C`` itself takes: int64 ids, cpu or cuda tensors, and on CPU float32 or bfloat16 only."""
@@ -93,11 +102,17 @@ def _check_embedding_args(input_ids, position_ids, token_type_ids, word, positio
 
 def _embedding_layer_norm_launch(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias,
                                  eps) -> torch.Tensor:
+    # The kernel reads raw pointers, so every tensor is pinned first: a detached alias holds the storage and the
+    # dtype it has now, even if another thread re-points the parameter meanwhile (``model.to(torch.bfloat16)``
+    # swaps and frees parameters' storage). Everything below reads the aliases only: a conversion racing this call
+    # gives a consistent old call or a dtype error, never a kernel writing past its output.
+    tensors = [t.detach() for t in (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)]
+    input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias = tensors
     _check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     if _C is None:
         raise RuntimeError(_IMPORT_ERROR)
     # The kernels read raw pointers as dense row-major arrays; contiguous() is free when they already are.
-    tensors = [t.contiguous() for t in (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias)]
+    tensors = [t.contiguous() for t in tensors]
     out = torch.empty((input_ids.shape[0], word.shape[1]), dtype=word.dtype, device=word.device)
     if out.numel() == 0:
         return out

@@ -1,22 +1,41 @@
-"""Tensors derived from parameters (the stacked QKV weight), cached beside them and never written into them.
+"""Tensors derived from parameters (the stacked QKV weight, oneDNN's packed weights), cached beside them and never
+written into them.
 
 A forward must not touch parameters: optimizers with flat buffers (ZeRO, FSDP) re-point ``param.data``, other threads
-read them, ``torch.func`` swaps them, ``.to()``/``.half()`` replace them. So a derived tensor is built aside from the
-parameters and kept with a key that identifies exactly what it was built from: each parameter's identity, in-place
-version counter, storage address, dtype and device. Any optimizer step, ``load_state_dict``, ``copy_`` under
-``no_grad``, ``.to()`` or re-pointing changes the key, and the next forward rebuilds. The new entry is published with
-one attribute assignment, so a concurrent forward sees either the old complete entry or the new one.
+read them, ``torch.func`` swaps them, ``.to()``/``.half()`` replace them. So a derived tensor is built aside and
+published with one attribute assignment (a concurrent forward sees the old complete entry or the new one), and it is
+never used once its parameters hold other values. Each entry carries the state of what it was built from, read
+*before* building, so a write that lands during the build leaves an entry that no longer matches:
 
-Writes that bypass the parameter's own version counter cannot be seen: through ``param.data`` (``p.data.copy_``), or
-through another tensor aliasing its memory (a flat buffer the parameter was re-pointed into, as ZeRO and FSDP do).
-A forward with gradients (training) drops the cache, so evaluation between training steps is always fresh; after
-such writes outside training, call ``fastbert.clear_caches(model)``. Cost: one extra copy of the derived weights.
+- each parameter's identity, in-place version counter, storage address, dtype and device: in-place updates
+  (optimizer steps, ``copy_`` under ``no_grad``, ``load_state_dict``), ``.to()``, re-pointing, replacement;
+- fused optimizers (``SGD/Adam/AdamW/Adagrad(fused=True)``; the HF Trainer's default ``adamw_torch_fused``) write
+  without moving version counters: a global optimizer step hook moves them for the parameters cached here that the
+  step updated (those with a gradient), so the next forward sees the step (CUDA graphs too);
+- on CPU, a fingerprint of sampled memory words (``fastbert._C.fingerprint``, 16 words per tensor): writes that move
+  no counter, through ``.data`` (PEFT's merges), collectives (``dist.broadcast``) or another process sharing the
+  memory (Hogwild), change the sampled words;
+- replacing a child module of a fastbert module (PEFT wrapping a Linear in LoRA, and unwrapping it after a merge)
+  drops what was cached below that module (``layers.Fused.__setattr__``).
+
+What the state cannot see, to be announced with ``fastbert.clear_caches(model)``: on a GPU, writes through ``.data``,
+collectives or other processes after an inference forward (a fingerprint there would cost a device sync per
+forward); on CPU, such writes that change only a few elements (seen when they hit a sampled word). A forward with
+gradients (training) drops the caches it passes anyway. Parameters are held weakly: one that is replaced
+(``load_state_dict(assign=True)``) and freed takes its entries, and their memory, with it. Cost: one extra copy of
+the derived weights; per forward, reading each cached parameter's state (and on CPU its fingerprint).
 """
+
+import threading
+import weakref
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-ATTRIBUTE = "_fastbert_derived"  # on the owning module: {name: (key, value)}
+from . import _extension
+
+ATTRIBUTE = "_fastbert_derived"  # on the owning module: {name: _Entry}
 
 
 class _Entries(dict):
@@ -31,19 +50,70 @@ class _Entries(dict):
         return _Entries, ()
 
 
-def _key(params: tuple[torch.Tensor, ...]) -> tuple:
-    return tuple((p, p._version, p.data_ptr(), p.dtype, p.device) for p in params)
+# --- the state an entry is built from --------------------------------------------------------------------------
+
+_epoch = 0  # moved when an optimizer step could not move the versions it should have: every entry goes stale
 
 
-def _same(key: tuple, params: tuple[torch.Tensor, ...]) -> bool:
-    return len(key) == len(params) and all(
-        k[0] is p and k[1] == p._version and k[2] == p.data_ptr() and k[3] == p.dtype and k[4] == p.device
-        for k, p in zip(key, params)
-    )
+def state(params: tuple[torch.Tensor, ...]) -> tuple:
+    """What ``params`` hold now, as far as it can be read cheaply: versions, storage addresses, dtypes, devices and,
+    on CPU, a fingerprint of their memory. Equal states: the derived tensor built from them is still right."""
+    try:
+        versions = tuple(p._version for p in params)
+    except RuntimeError:  # an inference tensor (moved under inference_mode) keeps no version counter
+        versions = tuple(-1 if p.is_inference() else p._version for p in params)
+    layout = tuple((p.data_ptr(), p.dtype, p.device) for p in params)
+    return versions, layout, fingerprint(params), _epoch
+
+
+def fingerprint(params: tuple[torch.Tensor, ...]) -> int | None:
+    """A hash of 16 words sampled from each CPU tensor's memory (whole tensors of at most 128 bytes), or None when
+    some tensor is not on the CPU (reading GPU memory would wait for the device)."""
+    if not params or any(p.device.type != "cpu" for p in params):
+        return None
+    snapshots = [p.detach() for p in params]  # hold each storage while it is read, whatever another thread does
+    if _extension.has_fingerprint() and all(t.is_contiguous() for t in snapshots):
+        return _extension.fingerprint(snapshots)
+    return hash(tuple(_sampled(t) for t in snapshots))
+
+
+_GOLDEN = 0.6180339887498949
+
+
+def _sampled(t: torch.Tensor) -> tuple[int, ...]:
+    """The torch path of ``fingerprint`` (any layout, or without the extension): the bytes of 17 sampled elements."""
+    n = t.numel()
+    if n <= 17:
+        positions = list(range(n))
+    else:
+        positions = [int((i * _GOLDEN) % 1.0 * n) for i in range(16)] + [n - 1]
+    picked = torch.take(t, torch.tensor(positions, dtype=torch.long))
+    return tuple(picked.view(torch.uint8).tolist()) if picked.numel() else ()
+
+
+class _Entry:
+    """A derived ``value`` and the ``state`` of the parameters it was built from (held weakly: when one is freed,
+    the entry can never match again and is dropped from its owner)."""
+
+    __slots__ = ("refs", "state", "value", "__weakref__")
+
+    def __init__(self, owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], params_state: tuple, value):
+        owner_ref, entry_ref = weakref.ref(owner), weakref.ref(self)
+
+        def release(_):
+            owner, entry = owner_ref(), entry_ref()
+            if owner is not None and entry is not None:
+                _discard_entry(owner, name, entry)
+
+        self.refs = tuple(weakref.ref(p, release) for p in params)
+        self.state, self.value = params_state, value
+
+    def built_from(self, params: tuple[torch.Tensor, ...]) -> bool:
+        return len(self.refs) == len(params) and all(ref() is p for ref, p in zip(self.refs, params))
 
 
 def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build) -> torch.Tensor:
-    """``build(*params)``, cached on ``owner`` under ``name`` until any of ``params`` changes.
+    """``build(*params)``, cached on ``owner`` under ``name`` while ``params`` hold what it was built from.
 
     Only for calls that need no gradient through the result. Parameters that are not ``nn.Parameter`` (tensors
     swapped in by ``torch.func.functional_call``, vmap's batched tensors) are never cached: the result is built for
@@ -53,12 +123,15 @@ def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build)
         return build(*params)
     entries = owner.__dict__.get(ATTRIBUTE) or {}
     entry = entries.get(name)
-    if entry is not None and _same(entry[0], params):
-        return entry[1]
+    now = state(params)  # read before building: a write during the build leaves the new entry stale, not wrong
+    if entry is not None and entry.state == now and entry.built_from(params):
+        return entry.value
     # Outside inference mode, so the result is a normal tensor usable by later no-grad forwards too.
     with torch.inference_mode(False), torch.no_grad():
         value = build(*(p.detach() for p in params))
-    owner.__dict__[ATTRIBUTE] = _Entries({**entries, name: (_key(params), value)})  # one assignment publishes it
+    entry = _Entry(owner, name, params, now, value)
+    owner.__dict__[ATTRIBUTE] = _Entries({**entries, name: entry})  # one assignment publishes it
+    _track(params)
     return value
 
 
@@ -69,7 +142,50 @@ def discard(owner: nn.Module, name: str) -> None:
         owner.__dict__[ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
 
 
+def _discard_entry(owner: nn.Module, name: str, entry: _Entry) -> None:
+    entries = owner.__dict__.get(ATTRIBUTE)
+    if entries and entries.get(name) is entry:  # (a newer entry under the same name stays)
+        owner.__dict__[ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
+
+
 def clear(module: nn.Module) -> None:
     """Drop every derived tensor cached in ``module`` and its submodules (they are rebuilt on the next forward)."""
     for m in module.modules():
         m.__dict__.pop(ATTRIBUTE, None)
+
+
+# --- optimizer steps: make fused optimizers' writes visible ------------------------------------------------------
+
+_tracked: dict[int, weakref.ref] = {}  # id -> weak reference, for every parameter a derived tensor was built from
+_hook_lock = threading.Lock()
+_hook = None
+
+
+def _track(params: tuple[torch.Tensor, ...]) -> None:
+    global _hook
+    for p in params:
+        if id(p) not in _tracked:
+            _tracked[id(p)] = weakref.ref(p, lambda _, key=id(p): _tracked.pop(key, None))
+    if _hook is None:
+        with _hook_lock:
+            if _hook is None:
+                _hook = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _dead():
+    return None
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    """After any ``optimizer.step()``: the tracked parameters it updated (those with a gradient: every torch
+    optimizer skips the others) get their version moved, as the in-place update of a non-fused optimizer does.
+    Never raises into the training loop: if the versions cannot be moved, every derived tensor goes stale."""
+    global _epoch
+    stepped = [p for group in optimizer.param_groups for p in group["params"]
+               if p.grad is not None and _tracked.get(id(p), _dead)() is p]
+    if not stepped:
+        return
+    try:
+        torch.autograd.graph.increment_version(stepped)
+    except Exception:  # noqa: BLE001 - e.g. a tensor subclass without a version counter
+        _epoch += 1

@@ -38,6 +38,15 @@ class Fused:
         derived.clear(self)
         return super()._apply(*args, **kwargs)
 
+    def __setattr__(self, name, value):
+        replaced = self.__dict__.get("_modules", {}).get(name)
+        super().__setattr__(name, value)
+        if replaced is not None and replaced is not value:
+            # A child replaced: PEFT wraps a Linear in LoRA, and after merging (a write through ``.data``, which no
+            # version counter sees) puts the Linear back. What was derived below this module goes, both times.
+            derived.clear(replaced)
+            derived.clear(self)
+
 
 class FusedEmbeddings(Fused):
     def fused(self, indices: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
