@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _extension, announce
+from . import _extension, announce, cpu
 from .kernels import cpu_linear
 
 OPS = ("embedding", "attention", "layer_norm", "bias_act", "act_layer_norm", "gemm")
@@ -141,30 +141,36 @@ def _onednn_reasons(dtype: torch.dtype) -> list[str]:
         reasons.append(f"{ENV_CPU_GEMM}=torch")
     elif not reasons and requested == "auto":
         try:
-            gflops = cpu_linear.measure(dtype)
+            slower = cpu.onednn_slower_reason(dtype)
         except RuntimeError as error:  # oneDNN refusing this CPU or dtype: keep F.linear, never fail the forward
             return [f"oneDNN linear failed here: {error}"]
-        if gflops["onednn"] <= gflops["torch"]:
-            reasons.append(f"measured slower than torch's F.linear on this CPU ({gflops['onednn']} vs "
-                           f"{gflops['torch']} GFLOP/s, {dtype})")
+        if slower:
+            reasons.append(slower)
     return reasons
 
 
 def choose(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> str:
     """Backend for ``op`` on tensors like ``tensor``. ``needs_reference`` says why this call must run the torch
-    reference ops (gradients, dropout, an activation without a kernel), if it must. Called once per op call: a dict
-    lookup after the first call with the same arguments and settings (no device sync)."""
-    if exporting() or (op == "gemm" and torch.compiler.is_compiling()):
-        return "torch"  # exporters trace plain torch ops: no custom op reaches an ONNX or ExportedProgram graph
-    env = _settings or settings()
-    key = (op, tensor.device, tensor.dtype, needs_reference, env.backend, env.interpreter,
-           (env.cpu_gemm, torch.backends.mkldnn.enabled) if op == "gemm" else None)
-    if key not in _plans:
-        _plans[key] = _plan(*key)
-    backend, warning = _plans[key]
+    reference ops (gradients, dropout, an activation without a kernel), if it must. A fallback from a faster backend
+    is announced (warned once, counted every time). A dict lookup after the first call with the same arguments and
+    settings (no device sync)."""
+    backend, warning = resolve(op, tensor, needs_reference)
     if warning:
         announce.fallback(warning)
     return backend
+
+
+def resolve(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> tuple[str, str | None]:
+    """``choose``'s answer without announcing: (backend, the fallback to announce on each call that runs it, or
+    None). For callers that keep the decision and announce when they run it (``ops.py``)."""
+    if exporting() or (op == "gemm" and torch.compiler.is_compiling()):
+        return "torch", None  # exporters trace plain torch ops: no custom op reaches an ONNX or ExportedProgram graph
+    env = _settings or settings()
+    key = (op, tensor.device, tensor.dtype, needs_reference, env.backend, env.interpreter,
+           (env.cpu_gemm, torch.backends.mkldnn.enabled) if op == "gemm" else None)
+    if key not in _decisions:
+        _decisions[key] = _decide(*key)
+    return _decisions[key]
 
 
 def exporting() -> bool:
@@ -183,10 +189,10 @@ def capturing() -> bool:
     return not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-_plans: dict[tuple, tuple[str, str | None]] = {}  # choose()'s key -> (backend, warning to show once)
+_decisions: dict[tuple, tuple[str, str | None]] = {}  # resolve()'s key -> (backend, warning to announce)
 
 
-def _plan(op, device, dtype, needs_reference, requested, interpreter, cpu_gemm) -> tuple[str, str | None]:
+def _decide(op, device, dtype, needs_reference, requested, interpreter, cpu_gemm) -> tuple[str, str | None]:
     """cpu_gemm: (FASTBERT_CPU_GEMM, torch.backends.mkldnn.enabled) for the gemm op, else None."""
     if requested == "torch":
         return "torch", None
@@ -195,14 +201,18 @@ def _plan(op, device, dtype, needs_reference, requested, interpreter, cpu_gemm) 
         best = next(b for b, reasons in options.items() if not reasons)
         if needs_reference:
             return "torch", None
-        if cpu_gemm[0] == "onednn" and best != "onednn":
-            raise RuntimeError(f"{ENV_CPU_GEMM}=onednn but oneDNN cannot run here: " + "; ".join(options["onednn"]))
+        if cpu_gemm[0] == "onednn" and best != "onednn":  # forced where it cannot run: F.linear there, said
+            return best, (f"{ENV_CPU_GEMM}=onednn, but oneDNN cannot run {dtype} GEMMs here ("
+                          + "; ".join(options["onednn"]) + "): torch's F.linear runs them")
         # Keeping F.linear (what transformers runs) is never slower than HF nor less precise: reported by
         # fastbert.info(), not warned.
         return best, None
-    if requested == "triton" and options["triton"]:
-        raise RuntimeError(f"{ENV_BACKEND}=triton but Triton cannot run {op} here: " + "; ".join(options["triton"]))
-    best = "triton" if requested == "triton" else next(b for b, reasons in options.items() if not reasons)
+    best = next(b for b, reasons in options.items() if not reasons)
+    if requested == "triton" and options["triton"]:  # forced where it cannot run: the best that can, said
+        return best, (f"{ENV_BACKEND}=triton, but Triton cannot run {op} on {device.type} {dtype} here ("
+                      + "; ".join(options["triton"]) + f"): {best} runs it")
+    if requested == "triton":
+        best = "triton"
     if needs_reference and best != "torch":
         return "torch", f"{op} runs the torch reference ops instead of {best}: {needs_reference}"
     # On CPU, skipping Triton is the design (torch ops are the fast path there), not a fallback to report.
@@ -221,9 +231,8 @@ def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], di
         if requested == "torch":
             backends[op], reasons[op] = "torch", [f"{ENV_BACKEND}=torch"]
             continue
-        if requested == "triton" and op != "gemm":
-            backends[op] = "triton" if not options["triton"] else "unavailable"
-            reasons[op] = [f"{ENV_BACKEND}=triton"] + options["triton"]
+        if requested == "triton" and op != "gemm" and not options["triton"]:
+            backends[op], reasons[op] = "triton", [f"{ENV_BACKEND}=triton"]
             continue
         order = list(options)
         chosen = next(b for b in order if not options[b])

@@ -10,8 +10,7 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, dispatch, validation
-from .kernels import cpu_linear
+from . import __version__, _extension, announce, cpu, dispatch, validation
 from .optimize import reports as optimize_reports
 
 
@@ -48,16 +47,22 @@ def info() -> dict:
         "requested_backend": dispatch.requested_backend(),
         "triton_interpret": dispatch.triton_interpreter(),
         "input_checks": validation.input_checks_enabled(),
-        # CPU GEMM library: FASTBERT_CPU_GEMM, and what was measured on this CPU (GFLOP/s, once per dtype).
+        # The CPU: its name, the instruction sets that decide the fast paths, whether bf16 is native here.
+        "cpu": {**cpu.identity(), "native_bf16": cpu.native_bf16()},
+        # CPU GEMM library: FASTBERT_CPU_GEMM, and what was measured on this CPU (GFLOP/s per token count, once per
+        # machine and dtype; "source": measured now, or the file that holds this machine's figures).
         "cpu_gemm": {
             "requested": dispatch.requested_cpu_gemm(),
-            "measured_gflops": {str(d).removeprefix("torch."): g for d, g in cpu_linear.measured().items()},
+            "onednn_margin": cpu.ONEDNN_MARGIN,
+            "measured_gflops": {str(d).removeprefix("torch."): g for d, g in cpu.gemm_figures_so_far().items()},
         },
         "backends": backends,
         "reasons": reasons,
         # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,
         # options run by transformers' implementation, wrapped modules called as modules.
         "fallbacks": announce.seen(),
+        # What this process was told besides (note -> times): outputs that differ from transformers', slow settings.
+        "notes": announce.notes(),
         # What fastbert.optimize (and the Auto classes) accelerated in this process, latest last.
         "optimized": optimize_reports(),
     }

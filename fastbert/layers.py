@@ -21,7 +21,7 @@ ops (``fastbert/models/distilbert.py``).
 import torch
 from torch import nn
 
-from . import derived, ops, padding, plain
+from . import derived, ops, padding, plain, plan
 
 
 class Fused:
@@ -36,6 +36,7 @@ class Fused:
 
     def _apply(self, *args, **kwargs):
         derived.clear(self)
+        plan.converted()
         return super()._apply(*args, **kwargs)
 
     def __setattr__(self, name, value):

@@ -25,7 +25,8 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from . import announce, dispatch, layers, padding, plain, validation
+from . import announce, cpu, dispatch, layers, padding, plain, validation
+from . import plan as plans
 
 # transformers 5 drops None from tuple outputs; 4.x keeps the pooler's slot (heads index outputs[2:]).
 _TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
@@ -129,11 +130,21 @@ class FusedModel(layers.Fused):
             if name in kwargs:
                 raise TypeError(f"forward() got multiple values for argument {name!r}")
             kwargs[name] = value
-        why = self._why_transformers(kwargs)
-        if why:
-            announce.fallback(f"{why} is not accelerated: transformers' {self.hf_class.__name__}.forward runs "
-                              "for this call")
-            return super(FusedModel, self).forward(**kwargs)
+        word = self.embeddings.word_embeddings.weight
+        embeds = kwargs.get("inputs_embeds")
+        plan = plans.for_model(self, word.device, word.dtype, isinstance(embeds, torch.Tensor) and embeds.requires_grad)
+        with plans.active(plan):
+            why = self._why_transformers(kwargs)
+            if why is None:
+                return self._fused_forward(kwargs, graph_safe)
+        announce.fallback(f"{why} is not accelerated: transformers' {self.hf_class.__name__}.forward runs for this call")
+        return super(FusedModel, self).forward(**kwargs)
+
+    def _fused_forward(self, kwargs: dict, graph_safe: bool):
+        word = self.embeddings.word_embeddings.weight
+        if word.dtype == torch.bfloat16 and word.device.type == "cpu" and not cpu.native_bf16():
+            announce.note("this CPU has no native bf16 (no AVX512-BF16 or AMX): bf16 matmuls are emulated, slower "
+                          "than float32 here in transformers and fastbert alike; float32 is the faster choice")
         if self._graphs is not None and not graph_safe:
             out = self._graphs.run(self, kwargs)  # None: this call runs without a graph
             if out is not None:
@@ -164,10 +175,35 @@ class FusedModel(layers.Fused):
 
     def _prepare(self, inputs: dict, graph_safe: bool = False, unpad: bool | None = None,
                  ) -> tuple[torch.Tensor, padding.TokenLayout]:
-        """Checks the inputs (``_INPUTS`` by name, None where not given) and finds where the real tokens are:
-        -> (indices [3, N] int64: word, token type, position of each token the encoder runs; the layout), both on
-        the model's device. unpad: pack the real tokens if the mask has padding (default ``self.unpad``)."""
-        input_ids, attention_mask, inputs_embeds = inputs["input_ids"], inputs["attention_mask"], inputs["inputs_embeds"]
+        """The inputs (``_INPUTS`` by name, None where not given) -> (indices [3, N] int64: word, token type and
+        position of each token the encoder runs; the layout: where those tokens sit in [B, S]), both on the model's
+        device. unpad: pack the real tokens if the mask has padding (default ``self.unpad``).
+
+        The integer inputs may be on the model's device or, all of them, on the CPU (as tokenizers return them): the
+        checks, lengths and layout are then computed on the host and queued to the device without waiting for it.
+        """
+        word = self.embeddings.word_embeddings.weight
+        mask = inputs["attention_mask"]
+        ids, limits, positions_name = self._token_ids(inputs)  # checked; [B, S] each
+        batch, seq_len = ids[0].shape
+        packs = not graph_safe and self._packs(batch, seq_len, mask, self.unpad if unpad is None else unpad)
+        read_back = self._read_back(mask) if packs else None
+        indices, host = validation.flat_indices(*ids, limits, positions_name, read_back, graph_safe)  # [3, B * S]
+        if packs:
+            layout = padding.unpadded_layout(mask, read_back[:batch], host[:batch])
+            self._note_first_token(layout, host[batch:])
+        else:
+            layout = padding.dense_layout(batch, seq_len, mask)
+        if layout.packed:
+            indices = indices.index_select(1, layout.indices)  # [3, N]
+        if indices.device != word.device:
+            indices, layout = padding.to_device(indices, word.device), layout.to(word.device)
+        return indices, layout
+
+    def _token_ids(self, inputs: dict) -> tuple[tuple[torch.Tensor, ...], list[int], str]:
+        """Checks the inputs (clear errors before any kernel runs) -> ((word, token type, position ids, [B, S] each,
+        on the device of the integer inputs), the sizes of their tables, what a range error calls the positions)."""
+        input_ids, mask, inputs_embeds = inputs["input_ids"], inputs["attention_mask"], inputs["inputs_embeds"]
         embeddings = self.embeddings
         token_types = getattr(embeddings, "token_type_embeddings", None)
         # (DistilBERT has none; transformers ignores them too, e.g. a pair tokenizer's)
@@ -175,39 +211,50 @@ class FusedModel(layers.Fused):
         word = embeddings.word_embeddings.weight
         position_ids = inputs["position_ids"]
         batch, seq_len = validation.check_inputs(
-            word, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+            word, input_ids, mask, token_type_ids, position_ids, inputs_embeds,
             None if position_ids is not None else self.max_seq_len(input_ids),
         )
-        # Where the integer inputs are: the model's device, or the host (a CPU mask and ids with a GPU model: checks,
-        # lengths and the packed layout are computed there, then queued to the device without waiting for it).
-        index_device = next((t.device for t in (input_ids, attention_mask, token_type_ids, position_ids)
-                             if t is not None), word.device)
+        device = next((t.device for t in (input_ids, mask, token_type_ids, position_ids) if t is not None), word.device)
         if token_type_ids is None:
-            token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=index_device)
+            token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         positions_name = "position_ids"
         if position_ids is None:
-            position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, index_device)
-        packs = not graph_safe and self._packs(batch, seq_len, attention_mask, self.unpad if unpad is None else unpad)
-        lengths = padding.sequence_lengths(attention_mask) if packs else None  # [B], read back with the check
-        indices, host_lengths = validation.flat_indices(
-            torch.zeros_like(token_type_ids) if input_ids is None else input_ids,
-            token_type_ids,
-            position_ids.expand(batch, seq_len),
-            [word.shape[0], 1 if token_types is None else token_types.weight.shape[0],
-             embeddings.position_embeddings.weight.shape[0]],
-            positions_name,
-            lengths,
-            graph_safe,
-        )  # [3, B * S]
-        if packs:
-            layout = padding.unpadded_layout(attention_mask, lengths, host_lengths)
-        else:
-            layout = padding.dense_layout(batch, seq_len, attention_mask)
-        if layout.packed:
-            indices = indices.index_select(1, layout.indices)  # [3, N]
-        if index_device != word.device:
-            indices, layout = indices.to(word.device, non_blocking=True), layout.to(word.device)
-        return indices, layout
+            position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, device)
+        if input_ids is None:
+            input_ids = torch.zeros_like(token_type_ids)
+        limits = [word.shape[0], 1 if token_types is None else token_types.weight.shape[0],
+                  embeddings.position_embeddings.weight.shape[0]]
+        return (input_ids, token_type_ids, position_ids.expand(batch, seq_len)), limits, positions_name
+
+    def _read_back(self, mask: torch.Tensor) -> torch.Tensor:
+        """What packing needs on the host, read back with the range check: [B] sequence lengths, then, when the
+        model reads position 0 (``_first_token_reader``), [B] whether position 0 is a real token."""
+        lengths = padding.sequence_lengths(mask)
+        if self._first_token_reader() is None:
+            return lengths
+        return torch.cat([lengths, mask[:, 0].to(lengths.dtype)])
+
+    def _first_token_reader(self) -> str | None:
+        """What reads position 0 of this encoder's output, if anything: its pooler, or the head ``optimize`` found
+        it in (a sequence-classification or multiple-choice head)."""
+        if getattr(self, "pooler", None) is not None:
+            return "its pooler (pooler_output)"
+        return self._read_by_head
+
+    _read_by_head: str | None = None  # set by ``optimize`` inside a head that reads position 0
+
+    def _note_first_token(self, layout: padding.TokenLayout, first_is_real: tuple[int, ...]) -> None:
+        """Say once that a left-padded batch feeds zeros to what reads position 0 (transformers feeds it a value
+        computed from the padding token there)."""
+        if layout.packed and not all(first_is_real):
+            announce.note(
+                f"{type(self).__name__}: {self._first_token_reader()} reads position 0, and rows of this batch have "
+                "padding there (left padding). fastbert runs padding-free, so the hidden state there is zeros, where "
+                "transformers computes a value from the padding token that depends on its attention implementation. "
+                "Pad on the right (tokenizer.padding_side = 'right'), or set unpad=False on the encoder "
+                "(fastbert.BertModel(..., unpad=False), or model.<encoder>.unpad = False after optimize) to compute "
+                "position 0 as transformers does."
+            )
 
     def _finish(self, out, kwargs: dict):
         """The output as HF returns it: ``out`` (an ``output_class``), or a tuple when ``return_dict=False``."""
@@ -248,6 +295,10 @@ class FusedModel(layers.Fused):
         attention_mask = kwargs.get("attention_mask")
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() in (3, 4):
             return f"a {attention_mask.dim()}-D attention_mask"
+        return plans.decided(self, "hooks", self._why_hooks)
+
+    def _why_hooks(self) -> str | None:
+        """A hook (global, or on a module the fused forward bypasses) that only transformers' forward would run."""
         if plain.global_hooks():
             return "a global module hook"
         bypassed = layers.bypassed_hook(self)

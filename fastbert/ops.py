@@ -1,20 +1,24 @@
-"""The ops of a BERT layer, each run by the backend ``dispatch.choose`` picks.
+"""The ops of an encoder layer, each run by the backend ``dispatch`` picks.
 
 Every function takes the HF modules that own the weights (``nn.Linear``, ``nn.LayerNorm``, ``nn.Dropout``, the
-activation), so the model reads like the BERT diagram and the weights stay where HF keeps them. Activations are
+activation), so the model reads like the encoder diagram and the weights stay where HF keeps them. Activations are
 token-major: [tokens, features], where tokens is batch * seq_len (dense) or the number of real tokens (packed, see
 ``padding.py``).
 
-The torch backend calls the modules, exactly as HF does. A fused backend reads a module's weights only when the
-module is plain (``plain.is_plain``); a wrapped one (LoRA, hooks, offload, quantization) is called and the kernel
-fuses what remains around it.
+Each op is two steps. ``_how_<op>`` decides how to run it and returns a runner: which backend; whether its modules
+are plain, so a kernel may read their weights (``plain.is_plain``: a wrapped module, LoRA, hooks, offload,
+quantization, is called and the kernel fuses what remains around it); whether autograd needs the reference ops. The
+runner does the work, reading the weights from their modules as it runs (a decision holds no parameter). Within a
+model forward the decision is kept in the forward's plan and reused while nothing it depends on changes
+(``plan.py``); outside one it is taken on every call. Derived weights are looked up by the runner, so they are
+checked on every call (``derived.py``). The torch backend calls the modules, exactly as HF does.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _extension, derived, dispatch
+from . import _extension, announce, derived, dispatch
 from .kernels import activation as activation_kernels
 from .kernels import attention as attention_kernels
 from .kernels import cpu_linear
@@ -22,6 +26,7 @@ from .kernels import embedding as embedding_kernels
 from .kernels import layer_norm as layer_norm_kernels
 from .padding import TokenLayout
 from .plain import has_hooks, is_plain
+from .plan import decided
 
 
 def _why_reference(*tensors, dropout_p: float = 0.0) -> str | None:
@@ -33,6 +38,23 @@ def _why_reference(*tensors, dropout_p: float = 0.0) -> str | None:
     if dropout_p > 0:
         return "dropout is active (train mode)"
     return None
+
+
+def _resolve(op: str, tensor: torch.Tensor, why: str | None) -> tuple[str, str | None]:
+    """(backend of ``op`` for tensors like ``tensor``, the fallback to announce on every call, or None)."""
+    return dispatch.resolve(op, tensor, why)
+
+
+def _counted(run, warning: str | None):
+    """``run``, announcing ``warning`` on every call when there is one (``announce`` warns once and counts)."""
+    if warning is None:
+        return run
+
+    def announced(*args):
+        announce.fallback(warning)
+        return run(*args)
+
+    return announced
 
 
 # The activation modules transformers builds for each ``hidden_act`` we fuse, by type: the kernel name follows the
@@ -52,6 +74,12 @@ def fused_activation(act_fn: nn.Module) -> str | None:
     return None if name is None or has_hooks(act_fn) else name
 
 
+def _why_no_kernel(act_fn: nn.Module, activation: str | None) -> str | None:
+    if activation is not None:
+        return None
+    return f"activation {type(act_fn).__name__} has no fused kernel (HF's activation module runs)"
+
+
 def _why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> str | None:
     """Why the fused kernel cannot read these modules' weights (the first one that is not plain), or None."""
     for name, (module, cls) in modules.items():
@@ -61,38 +89,55 @@ def _why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> s
     return None
 
 
+def _layer_norm_call(layer_norm: nn.Module, device: torch.device):
+    """``layer_norm`` as a function of [tokens, hidden]: ``F.layer_norm`` on a plain LayerNorm's weights (no module
+    call), the module otherwise."""
+    if not is_plain(layer_norm, nn.LayerNorm, device):
+        return layer_norm
+    return lambda x: F.layer_norm(x, layer_norm.normalized_shape, layer_norm.weight, layer_norm.bias, layer_norm.eps)
+
+
+# --- GEMMs ---------------------------------------------------------------------------------------------------------
+
+
 def linear(x: torch.Tensor, dense: nn.Module) -> torch.Tensor:
     """``dense(x)``: a plain nn.Linear's GEMM (oneDNN or F.linear, no module-call overhead), otherwise the module."""
-    if is_plain(dense, nn.Linear, x.device):
-        y = _onednn_linear(x, dense, _why_reference(x, dense.weight, dense.bias)) if x.device.type == "cpu" else None
-        return F.linear(x, dense.weight, dense.bias) if y is None else y
-    return dense(x)
+    return decided(dense, "linear", _how_linear, x, dense)(x)
 
 
-def _onednn_linear(x: torch.Tensor, dense: nn.Module, why: str | None, activation: str | None = None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor | None:
-    """act(dense(x)) or dense(x) + residual through oneDNN with the weight prepacked (``kernels/cpu_linear.py``),
-    or None where it does not apply: not CPU, a wrapped dense, ``why`` (gradients), autocast (which would not reach
-    oneDNN's op), torch.func transforms, a weight that is not the module's parameter (nothing to cache it with), or
-    dispatch keeping F.linear on this CPU."""
+def _how_linear(x: torch.Tensor, dense: nn.Module):
+    if not is_plain(dense, nn.Linear, x.device):
+        return dense
+    gemm = _onednn_gemm(x, dense, _why_reference(x, dense.weight, dense.bias))
+    if gemm is not None:
+        return gemm
+    return lambda x: F.linear(x, dense.weight, dense.bias)
+
+
+def _onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation: str | None = None):
+    """A runner of act(dense(x)), or dense(x) + residual (``run(x, residual)``), through oneDNN with the weight
+    prepacked (``kernels/cpu_linear.py``); None where that does not apply: not CPU, a wrapped dense, ``why``
+    (gradients, dropout), autocast (which would not reach oneDNN's op), torch.func transforms, a weight that is not
+    the module's parameter (nothing to cache it with), or dispatch keeping F.linear on this CPU."""
     if x.device.type != "cpu":
         return None
-    plain = is_plain(dense, nn.Linear, x.device)
-    if why is not None or not plain:
-        # Training (gradients, dropout): the weights are about to change, possibly through buffers that alias them
-        # (ZeRO, FSDP) where no version counter sees it, so the packed copy goes, as the fused QKV weight does. A
-        # wrapper (LoRA) may later write into the Linear it wraps through ``.data`` (``merge_and_unload``): the copy
-        # cached on that Linear before it was wrapped goes too.
+    if why is not None or not is_plain(dense, nn.Linear, x.device):
+        # Training: the weights are about to change. A wrapper (LoRA) may later write into the Linear it wraps
+        # through ``.data`` (``merge_and_unload``). Either way the packed copy goes now, not at the next rebuild.
         derived.clear(dense)
         return None
     if not _onednn_applies(x, (dense.weight,)):
         return None
-    packed = derived.cached(dense, "onednn_weight", (dense.weight,), cpu_linear.pack)
-    return cpu_linear.linear(x, packed, dense.bias, activation, residual)
+
+    def run(x, residual=None):
+        packed = derived.cached(dense, "onednn_weight", (dense.weight,), cpu_linear.pack)
+        return cpu_linear.linear(x, packed, dense.bias, activation, residual)
+
+    return run
 
 
 def _onednn_applies(x: torch.Tensor, weights: tuple, why: str | None = None) -> bool:
-    """Whether a CPU GEMM of ``x`` with ``weights`` runs through oneDNN (see ``_onednn_linear``)."""
+    """Whether a CPU GEMM of ``x`` with ``weights`` runs through oneDNN (see ``_onednn_gemm``)."""
     return (
         not torch.compiler.is_compiling()  # (compiled and exported graphs keep F.linear)
         and not dispatch.exporting()
@@ -103,6 +148,22 @@ def _onednn_applies(x: torch.Tensor, weights: tuple, why: str | None = None) -> 
     )
 
 
+def gemm_epilogue(activation: str | None, device: torch.device) -> bool | None:
+    """``use_gelu`` for ``torch._addmm_activation`` where its epilogue computes exactly the model's activation, else
+    None. ReLU everywhere; its GELU is the tanh approximation on CUDA (cuBLASLt's epilogue, or gelu(approximate="tanh")
+    where cuBLASLt does not apply) but exact erf on CPU: tanh models (gelu_new, gelu_pytorch_tanh) fuse on CUDA only,
+    and erf models (BERT's "gelu") keep the Triton bias+GELU kernel."""
+    kind = activation_kernels.ACTIVATIONS.get(activation)
+    if kind == "relu":
+        return False
+    if kind == "gelu_tanh" and device.type == "cuda":
+        return True
+    return None
+
+
+# --- embeddings ----------------------------------------------------------------------------------------------------
+
+
 def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
     """LayerNorm(word[ids] + position[pos] + token_type[tt]) -> [tokens, width] (width: the tables' width).
 
@@ -111,12 +172,16 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
     ``token_type_embeddings`` unless the family has none, as DistilBERT; then indices[1] is ignored).
     inputs_embeds: [tokens, width] replaces the word lookup when given (then indices[0] is ignored).
     """
+    op = "embedding" if inputs_embeds is None else "embedding(inputs_embeds)"
+    return decided(embeddings, op, _how_embedding, embeddings, inputs_embeds)(indices, inputs_embeds)
+
+
+def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
     word_embeddings, position_embeddings = embeddings.word_embeddings, embeddings.position_embeddings
     token_type_embeddings = getattr(embeddings, "token_type_embeddings", None)
     word, position = word_embeddings.weight, position_embeddings.weight
     token_type = None if token_type_embeddings is None else token_type_embeddings.weight
     ln = embeddings.LayerNorm
-    input_ids, token_type_ids, position_ids = indices.unbind(0)
     p = embeddings.dropout.p if embeddings.training else 0.0
     why = _why_reference(word, position, token_type, ln.weight, ln.bias, inputs_embeds, dropout_p=p)
     if inputs_embeds is not None:
@@ -125,24 +190,42 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
                   LayerNorm=(ln, nn.LayerNorm))
     if token_type_embeddings is not None:
         tables["token_type_embeddings"] = (token_type_embeddings, nn.Embedding)
-    why = why or _why_not_plain(indices.device, **tables)
-    backend = dispatch.choose("embedding", word, why)
+    why = why or _why_not_plain(word.device, **tables)
+    backend, warning = _resolve("embedding", word, why)
+
     if backend == "torch":
-        # Clamp like the kernels do, so that with range checks off a bad id never reads out of bounds.
-        input_ids = input_ids.clamp(0, word.shape[0] - 1)
-        position_ids = position_ids.clamp(0, position.shape[0] - 1)
-        # The modules themselves, in HF's order: hooks, wrappers and padding_idx's missing gradient as in HF.
-        x = word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        if token_type_embeddings is not None:
-            x = x + token_type_embeddings(token_type_ids.clamp(0, token_type.shape[0] - 1))
-        x = x + position_embeddings(position_ids)
-        return embeddings.dropout(ln(x))
-    if token_type is None:
+        def run(indices, inputs_embeds):
+            input_ids, token_type_ids, position_ids = indices.unbind(0)
+            # Clamp like the kernels do, so that with range checks off a bad id never reads out of bounds. The
+            # modules themselves, in HF's order: hooks, wrappers and padding_idx's missing gradient as in HF.
+            x = (word_embeddings(input_ids.clamp(0, word_embeddings.num_embeddings - 1)) if inputs_embeds is None
+                 else inputs_embeds)
+            if token_type_embeddings is not None:
+                x = x + token_type_embeddings(token_type_ids.clamp(0, token_type_embeddings.num_embeddings - 1))
+            x = x + position_embeddings(position_ids.clamp(0, position_embeddings.num_embeddings - 1))
+            return embeddings.dropout(ln(x))
+
+        return _counted(run, warning)
+
+    def run(indices, inputs_embeds):
+        input_ids, token_type_ids, position_ids = indices.unbind(0)
+        word = word_embeddings.weight
         # The kernels always add a token-type row: a family without token types adds a zero row (one [1, width]
         # table, cached with the word table it follows in dtype and device).
-        token_type = derived.cached(embeddings, "zero_token_type", (word,), lambda w: w.new_zeros(1, w.shape[1]))
-    fused = _extension.embedding_layer_norm if backend.endswith("-ext") else embedding_kernels.embedding_layer_norm
-    return fused(input_ids, position_ids, token_type_ids, word, position, token_type, ln.weight, ln.bias, ln.eps)
+        types = (token_type_embeddings.weight if token_type_embeddings is not None
+                 else derived.cached(embeddings, "zero_token_type", (word,), _zero_row))
+        fused = _extension.embedding_layer_norm if backend.endswith("-ext") else embedding_kernels.embedding_layer_norm
+        return fused(input_ids, position_ids, token_type_ids, word, position_embeddings.weight, types, ln.weight,
+                     ln.bias, ln.eps)
+
+    return _counted(run, warning)
+
+
+def _zero_row(word: torch.Tensor) -> torch.Tensor:
+    return word.new_zeros(1, word.shape[1])
+
+
+# --- attention -----------------------------------------------------------------------------------------------------
 
 
 def qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -153,24 +236,40 @@ def qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.
     into them); with gradients it is concatenated per call so gradients reach HF's parameters. Wrapped projections
     (LoRA, hooks) are called as modules.
     """
+    return decided(query, "qkv_projection", _how_qkv_projection, query, key, value, x)(x)
+
+
+def _how_qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.Tensor):
     if not all(is_plain(m, nn.Linear, x.device) for m in (query, key, value)):
         # A wrapper (LoRA) may later write into the Linear it wraps through ``.data`` (``merge_and_unload``): what
         # was cached on ``query`` before it was wrapped goes.
         derived.clear(query)
-        return torch.cat([query(x), key(x), value(x)], dim=-1)
-    params = (query.weight, key.weight, value.weight, query.bias, key.bias, value.bias)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-        # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP) where no
-        # version counter sees it, so the inference cache goes.
-        derived.discard(query, "qkv")
-        derived.discard(query, "qkv_onednn")
-        weight, bias = torch.cat(params[:3]), torch.cat(params[3:])
-    elif x.device.type == "cpu" and _onednn_applies(x, params, _why_reference(x)):  # (gradients may reach x)
-        weight, bias = derived.cached(query, "qkv_onednn", params, _stack_and_pack_qkv)
-        return cpu_linear.linear(x, weight, bias)
-    else:
-        weight, bias = derived.cached(query, "qkv", params, _stack_qkv)
-    return F.linear(x, weight, bias)
+        return lambda x: torch.cat([query(x), key(x), value(x)], dim=-1)
+    def params():
+        return query.weight, key.weight, value.weight, query.bias, key.bias, value.bias
+
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params()):
+        def run(x):
+            # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP)
+            # where no version counter sees it, so the inference cache goes.
+            derived.discard(query, "qkv")
+            derived.discard(query, "qkv_onednn")
+            wq, wk, wv, bq, bk, bv = params()
+            return F.linear(x, torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]))
+
+        return run
+    if x.device.type == "cpu" and _onednn_applies(x, params(), _why_reference(x)):  # (gradients may reach x)
+        def run(x):
+            weight, bias = derived.cached(query, "qkv_onednn", params(), _stack_and_pack_qkv)
+            return cpu_linear.linear(x, weight, bias)
+
+        return run
+
+    def run(x):
+        weight, bias = derived.cached(query, "qkv", params(), _stack_qkv)
+        return F.linear(x, weight, bias)
+
+    return run
 
 
 def _stack_qkv(wq, wk, wv, bq, bk, bv) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,11 +289,11 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
     tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
     head_dim = hidden // num_heads
     heads = qkv.view(tokens, 3, num_heads, head_dim)
-    why = _why_reference(qkv, dropout_p=dropout_p)
-    if head_dim > attention_kernels.MAX_HEAD_DIM:
-        # The Triton kernel refuses D > MAX_HEAD_DIM (ValueError): such a model must take SDPA on a GPU, not crash.
-        why = why or f"head_dim {head_dim} exceeds the Triton attention kernel's {attention_kernels.MAX_HEAD_DIM}"
-    backend = dispatch.choose("attention", qkv, why)
+    # (the same decision for every layer with the same arguments)
+    backend, warning = decided(None, ("attention", qkv.requires_grad, dropout_p, head_dim), _attention_backend,
+                               qkv, dropout_p, head_dim)
+    if warning is not None:
+        announce.fallback(warning)
     # Explicit [tokens, hidden] (not -1): tokens may be 0 (an empty batch, or every row fully padded).
     if backend == "triton":
         if layout.packed:
@@ -207,6 +306,14 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
         return _attention_varlen_sdpa(heads, layout.seqlens, dropout_p).view(tokens, hidden)
     # reshape, not view: SDPA's math backend (dropout, float64) returns [B, H, S, D]-contiguous memory.
     return _attention_sdpa(heads, layout, dropout_p).reshape(tokens, hidden)
+
+
+def _attention_backend(qkv: torch.Tensor, dropout_p: float, head_dim: int) -> tuple[str, str | None]:
+    why = _why_reference(qkv, dropout_p=dropout_p)
+    if head_dim > attention_kernels.MAX_HEAD_DIM:
+        # The Triton kernel refuses D > MAX_HEAD_DIM (ValueError): such a model must take SDPA on a GPU, not crash.
+        why = why or f"head_dim {head_dim} exceeds the Triton attention kernel's {attention_kernels.MAX_HEAD_DIM}"
+    return _resolve("attention", qkv, why)
 
 
 def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float) -> torch.Tensor:
@@ -248,82 +355,92 @@ def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, 
     return out.reshape(batch * seq_len, *out.shape[2:]).index_select(0, layout.indices)
 
 
+# --- dense + residual + LayerNorm, dense + activation -------------------------------------------------------------
+
+
 def dense_residual_layer_norm(
     x: torch.Tensor, residual: torch.Tensor, dense: nn.Module, dropout: nn.Module | None, layer_norm: nn.Module
 ) -> torch.Tensor:
     """LayerNorm(dropout(dense(x)) + residual): BertSelfOutput and BertOutput (``dropout`` None: none, as after
     DistilBERT's attention projection)."""
+    run = decided(layer_norm, "dense_residual_layer_norm", _how_dense_residual_layer_norm,
+                  x, residual, dense, dropout, layer_norm)
+    return run(x, residual)
+
+
+def _how_dense_residual_layer_norm(x, residual, dense, dropout, layer_norm):
     p = dropout.p if dropout is not None and dropout.training else 0.0
     why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None), residual, dropout_p=p)
     why = why_gemm or _why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
-    if dispatch.choose("layer_norm", x, why) == "triton":
+    backend, warning = _resolve("layer_norm", x, why)
+    if backend == "triton":
         ln = layer_norm
-        if is_plain(dense, nn.Linear, x.device):
-            # The residual enters the GEMM's epilogue (C = residual, beta = 1: read while the GEMM is compute-bound);
-            # the kernel adds the bias and normalizes, reading one [tokens, hidden] tensor fewer.
-            h = torch.addmm(residual, x, dense.weight.t())
-            return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=dense.bias)
-        # A wrapped dense is called; the kernel adds the residual and normalizes.
-        return layer_norm_kernels.layer_norm(dense(x), ln.weight, ln.bias, ln.eps, residual=residual)
-    h = _onednn_linear(x, dense, why_gemm, residual=residual)  # (only without dropout: it comes before the add)
-    if h is not None:
-        return layer_norm(h)
-    h = linear(x, dense)
-    return layer_norm((h if dropout is None else dropout(h)) + residual)
+        # The GEMM with its 1-D bias (cuBLASLt's bias epilogue, one kernel); the kernel adds the residual and
+        # normalizes. (addmm(residual, x, W^T) would first copy the residual into the output: one more kernel.)
+        gemm = _how_linear(x, dense)
+        return _counted(lambda x, residual: layer_norm_kernels.layer_norm(gemm(x), ln.weight, ln.bias, ln.eps,
+                                                                          residual=residual), warning)
+    norm = _layer_norm_call(layer_norm, x.device)
+    fused = _onednn_gemm(x, dense, why_gemm)  # (only without dropout: it comes before the add)
+    if fused is not None:
+        return _counted(lambda x, residual: norm(fused(x, residual)), warning)
+    gemm = _how_linear(x, dense)
+    if dropout is None or (p == 0 and not has_hooks(dropout)):
+        return _counted(lambda x, residual: norm(gemm(x) + residual), warning)
+    return _counted(lambda x, residual: layer_norm(dropout(gemm(x)) + residual), warning)
 
 
 def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Tensor:
     """act(dense(x)): BertIntermediate. ``act_fn`` is HF's activation module."""
+    return decided(dense, "dense_act", _how_dense_act, x, dense, act_fn)(x)
+
+
+def _how_dense_act(x, dense, act_fn):
     activation = fused_activation(act_fn)
     why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
     why = why_gemm or _why_no_kernel(act_fn, activation)
-    if dispatch.choose("bias_act", x, why) == "triton":
+    backend, warning = _resolve("bias_act", x, why)
+    if backend == "triton":
         if not is_plain(dense, nn.Linear, x.device):
-            return activation_kernels.bias_act(dense(x), None, activation)
+            return _counted(lambda x: activation_kernels.bias_act(dense(x), None, activation), warning)
         use_gelu = gemm_epilogue(activation, x.device)
         if use_gelu is not None and dense.bias is not None:
             # bias + activation in the GEMM's epilogue (cuBLASLt): the [tokens, intermediate] output is written once
-            return torch._addmm_activation(dense.bias, x, dense.weight.t(), use_gelu=use_gelu)
-        return activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation)
-    h = _onednn_linear(x, dense, why_gemm, activation)
-    if h is not None:
-        return h if activation is not None else act_fn(h)
-    return act_fn(linear(x, dense))
-
-
-def gemm_epilogue(activation: str | None, device: torch.device) -> bool | None:
-    """``use_gelu`` for ``torch._addmm_activation`` where its epilogue computes exactly the model's activation, else
-    None. ReLU everywhere; its GELU is the tanh approximation on CUDA (cuBLASLt's epilogue, or gelu(approximate="tanh")
-    where cuBLASLt does not apply) but exact erf on CPU: tanh models (gelu_new, gelu_pytorch_tanh) fuse on CUDA only,
-    and erf models (BERT's "gelu") keep the Triton bias+GELU kernel."""
-    kind = activation_kernels.ACTIVATIONS.get(activation)
-    if kind == "relu":
-        return False
-    if kind == "gelu_tanh" and device.type == "cuda":
-        return True
-    return None
+            return _counted(lambda x: torch._addmm_activation(dense.bias, x, dense.weight.t(), use_gelu=use_gelu),
+                            warning)
+        return _counted(lambda x: activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation),
+                        warning)
+    fused = _onednn_gemm(x, dense, why_gemm, activation)
+    if fused is not None:
+        return _counted(fused if activation is not None else (lambda x: act_fn(fused(x))), warning)
+    gemm = _how_linear(x, dense)
+    return _counted(lambda x: act_fn(gemm(x)), warning)
 
 
 def dense_act_layer_norm(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module, layer_norm: nn.Module) -> torch.Tensor:
     """LayerNorm(act(dense(x))): the MLM head transform (BertPredictionHeadTransform)."""
+    return decided(layer_norm, "dense_act_layer_norm", _how_dense_act_layer_norm, x, dense, act_fn, layer_norm)(x)
+
+
+def _how_dense_act_layer_norm(x, dense, act_fn, layer_norm):
     activation = fused_activation(act_fn)
     why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
     why = why_gemm or _why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
     why = why or _why_no_kernel(act_fn, activation)
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
-    if dispatch.choose("act_layer_norm", x, why) == "triton":
+    backend, warning = _resolve("act_layer_norm", x, why)
+    if backend == "triton":
         ln = layer_norm
-        plain_dense = is_plain(dense, nn.Linear, x.device)
-        h, bias = (F.linear(x, dense.weight), dense.bias) if plain_dense else (dense(x), None)
-        return layer_norm_kernels.layer_norm(h, ln.weight, ln.bias, ln.eps, bias=bias, activation=activation)
-    h = _onednn_linear(x, dense, why_gemm, activation)
-    if h is not None:
-        return layer_norm(h if activation is not None else act_fn(h))
-    return layer_norm(act_fn(linear(x, dense)))
-
-
-def _why_no_kernel(act_fn: nn.Module, activation: str | None) -> str | None:
-    if activation is not None:
-        return None
-    return f"activation {type(act_fn).__name__} has no fused kernel (HF's activation module runs)"
+        if is_plain(dense, nn.Linear, x.device):
+            return _counted(lambda x: layer_norm_kernels.layer_norm(F.linear(x, dense.weight), ln.weight, ln.bias,
+                                                                    ln.eps, bias=dense.bias, activation=activation),
+                            warning)
+        return _counted(lambda x: layer_norm_kernels.layer_norm(dense(x), ln.weight, ln.bias, ln.eps,
+                                                                activation=activation), warning)
+    norm = _layer_norm_call(layer_norm, x.device)
+    fused = _onednn_gemm(x, dense, why_gemm, activation)
+    if fused is not None:
+        return _counted(lambda x: norm(fused(x) if activation is not None else act_fn(fused(x))), warning)
+    gemm = _how_linear(x, dense)
+    return _counted(lambda x: norm(act_fn(gemm(x))), warning)

@@ -81,7 +81,22 @@ def _swap(model: nn.Module) -> tuple[list[str], list[str], int]:
     heads = [m for m in model.modules() if type(m) in HEAD_CLASSES]
     for module in heads:
         module.__class__ = HEAD_CLASSES[type(module)]
+    _mark_first_token_readers(model)
     return accelerated, left, len(heads)
+
+
+# transformers' heads that classify a sequence from its position 0 (every family's; BERT's through the pooler).
+_FIRST_TOKEN_HEADS = ("ForSequenceClassification", "ForMultipleChoice")
+
+
+def _mark_first_token_readers(model: nn.Module) -> None:
+    """Tell each encoder inside a head that reads position 0 which head it is: a left-padded batch is then said
+    once (its position 0 is zeros in the padding-free path, see ``FusedModel._note_first_token``)."""
+    for head in model.modules():
+        if type(head).__name__.endswith(_FIRST_TOKEN_HEADS):
+            for encoder in head.modules():
+                if isinstance(encoder, modeling.FusedModel):
+                    encoder._read_by_head = f"its {type(head).__name__} head"
 
 
 def reports() -> list[str]:

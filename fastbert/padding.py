@@ -42,10 +42,20 @@ class TokenLayout:
     def to(self, device: torch.device) -> "TokenLayout":
         """The layout with its tensors on ``device`` (built on the host from a CPU mask, then queued to the GPU)."""
         def move(t):
-            return None if t is None else t.to(device, non_blocking=True)
+            return None if t is None else to_device(t, device)
 
         return replace(self, key_padding_mask=move(self.key_padding_mask), indices=move(self.indices),
                        cu_seqlens=move(self.cu_seqlens), key_bounds=move(self.key_bounds))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor queued to ``device`` without waiting for it. To a GPU through pinned memory of fastbert's own:
+    a copy from pageable memory would not overlap, and a caller's pinned tensor (the mask, passed through as it is)
+    could be rewritten by the caller while the copy is still queued."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device, non_blocking=True)
+    staged = t.clone().pin_memory() if t.is_pinned() else t.pin_memory()
+    return staged.to(device, non_blocking=True)
 
 
 def dense_layout(batch: int, seq_len: int, attention_mask: torch.Tensor | None) -> TokenLayout:

@@ -151,26 +151,26 @@ def _(input_ids, token_type_ids, position_ids, limits, positions_name="position_
 
 
 def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int], positions_name: str = "position_ids",
-                 lengths: torch.Tensor | None = None, graph_safe: bool = False,
+                 read_back: torch.Tensor | None = None, graph_safe: bool = False,
                  ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """(the [3, B*S] int64 index tensor, range-checked unless checks are off; ``lengths`` read back to the host).
+    """(the [3, B*S] int64 index tensor, range-checked unless checks are off; ``read_back`` read to the host).
 
-    lengths: [B] sequence lengths on the device that packing needs on the host, or None. They are read back in the
-    same transfer as the range check's spans, so a padded forward syncs with the device once (eager only: packing
-    never runs under torch.compile, where the check is the registered op).
+    read_back: a 1-D integer tensor the caller needs on the host (packing: the sequence lengths), or None. It is read
+    back in the same transfer as the range check's spans, so a padded forward syncs with the device once (eager
+    only: packing never runs under torch.compile, where the check is the registered op).
     Not checked where the data cannot be read: while exporting (the exported graph has no data; the kernels and
     torch ops clamp), on the meta device, or ``graph_safe`` (a CUDA graph being captured, where a read of device data
     is an error: ``fastbert.cuda_graphs`` checks the inputs before it replays).
     """
     checks = _checks_enabled and input_ids.device.type != "meta" and not dispatch.exporting() and not graph_safe
-    if lengths is None:
+    if read_back is None:
         if checks:
             return checked_indices(input_ids, token_type_ids, position_ids, limits, positions_name), None
         return torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long(), None
     stacked = torch.stack([input_ids.flatten(), token_type_ids.flatten(), position_ids.flatten()]).long()
     if not checks or stacked.numel() == 0:
-        return stacked, tuple(lengths.tolist())
+        return stacked, tuple(read_back.tolist())
     low, high = torch.aminmax(stacked, dim=1)
-    host = torch.cat([torch.stack([low, high], dim=1).flatten(), lengths.long()]).tolist()  # the one host sync
+    host = torch.cat([torch.stack([low, high], dim=1).flatten(), read_back.long()]).tolist()  # the one host sync
     _check_spans(host[:6], limits, positions_name)
     return stacked, tuple(host[6:])

@@ -5,15 +5,15 @@ x: [tokens, in], W: [out, in] (prepacked by ``pack``), b: [out] or None, residua
 torch's ``F.linear`` on CPU runs MKL's sgemm (fp32). oneDNN, which every x86 torch build carries, runs the same GEMM
 on weights reordered once into its blocked layout and applies bias, GELU (exact erf or tanh), ReLU or a residual add
 in the GEMM's epilogue, while the output tile is still in cache. Which library is faster depends on the CPU (seen:
-oneDNN 1.05-1.3x MKL on one AMD EPYC with AVX-512, about 2x on another), so ``measure`` times both once per dtype on
-a bert-base-sized GEMM and dispatch keeps the faster (``fastbert.info()`` shows the figures).
+oneDNN 1.05-1.3x MKL on one AMD EPYC with AVX-512, about 2x on another), so ``measure`` times both on bert-base-sized
+GEMMs of a small and a large batch, and dispatch keeps oneDNN only where it wins both (``fastbert/cpu.py`` keeps the
+figures per machine; ``fastbert.info()`` shows them).
 
 Numerics: fp32 accumulation in both; the epilogue applies to the fp32 accumulator before the output is rounded, so in
 bf16 the bias, residual and activation see one rounding fewer than ``F.linear`` followed by torch ops.
 """
 
 import statistics
-import threading
 import time
 
 import torch
@@ -70,42 +70,38 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, [], algorithm)
 
 
-_measured: dict[torch.dtype, dict[str, float]] = {}
-_measuring = threading.Lock()  # concurrent first forwards: one measurement, not two timing each other
+# A small batch (one sequence) and a large one: a library that wins one may lose the other.
+MEASURED_TOKENS = (128, 1024)
 
 
-def measure(dtype: torch.dtype) -> dict[str, float]:
-    """GFLOP/s of torch's ``F.linear`` and of the packed oneDNN linear on a [512, 768] x [768, 768]^T GEMM in
-    ``dtype`` with torch's current thread count (median of 5 after 2 warm-ups; ~20 ms, once per dtype)."""
-    with _measuring:
-        return _measure(dtype)
-
-
-def _measure(dtype: torch.dtype) -> dict[str, float]:
-    if dtype not in _measured:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(512, 768, generator=generator).to(dtype)
-        weight = torch.randn(768, 768, generator=generator).to(dtype)
-        bias = torch.zeros(768, dtype=dtype)
-        with torch.inference_mode():
-            packed = pack(weight)
+def measure(dtype: torch.dtype) -> dict[str, dict[int, float]]:
+    """GFLOP/s of torch's ``F.linear`` and of the packed oneDNN linear on [tokens, 768] x [768, 768]^T GEMMs in
+    ``dtype``, for each of ``MEASURED_TOKENS``, with torch's current thread count: {"torch": {tokens: gflops},
+    "onednn": {...}} (median of 5 after 2 warm-ups, the libraries interleaved; ~0.1 s)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(768, 768, generator=generator).to(dtype)
+    bias = torch.zeros(768, dtype=dtype)
+    figures = {"torch": {}, "onednn": {}}
+    with torch.inference_mode():
+        packed = pack(weight)
+        for tokens in MEASURED_TOKENS:
+            x = torch.randn(tokens, 768, generator=generator).to(dtype)
             calls = {"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: linear(x, packed, bias)}
-            gflop = 2 * 512 * 768 * 768 / 1e9
-            _measured[dtype] = {name: round(gflop / _median_seconds(call), 1) for name, call in calls.items()}
-    return _measured[dtype]
+            gflop = 2 * tokens * 768 * 768 / 1e9
+            for name, seconds in _median_seconds(calls).items():
+                figures[name][tokens] = round(gflop / seconds, 1)
+    return figures
 
 
-def measured() -> dict[torch.dtype, dict[str, float]]:
-    """What ``measure`` found so far, per dtype."""
-    return dict(_measured)
-
-
-def _median_seconds(call, warmup: int = 2, reps: int = 5) -> float:
+def _median_seconds(calls: dict, warmup: int = 2, reps: int = 5) -> dict[str, float]:
+    """Median seconds of each call, timed in turns (a change of clock or load affects every library alike)."""
     for _ in range(warmup):
-        call()
-    times = []
+        for call in calls.values():
+            call()
+    times = {name: [] for name in calls}
     for _ in range(reps):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -11,12 +11,18 @@
 
 import copy
 import dataclasses
+import os
+import tempfile
 
 import pytest
 import torch
 import transformers
 
 import fastbert
+
+# This machine's GEMM measurements (fastbert/cpu.py) go to a folder of the test session's own: tests and the
+# processes they start share it, and nothing outside is read or written.
+os.environ["FASTBERT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastbert-cache-")
 
 # dtype -> (atol of the 2x rule, max |fastbert - HF| in that dtype or None)
 MODEL_TOLERANCES = {

@@ -2,6 +2,9 @@
 with oneDNN forced against HF, and the prepacked-weight cache following every way the weights change."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import transformers
 from test_model_api import right_padded
 
 import fastbert
+from fastbert import dispatch
 from fastbert.kernels import cpu_linear
 
 
@@ -151,11 +155,55 @@ def test_backend_torch_keeps_f_linear(fastbert_env):
     assert fastbert.info()["backends"]["gemm"] == "torch"
 
 
-def test_info_reports_the_measurement():
-    gemm = fastbert.info()["cpu_gemm"]
-    assert gemm["requested"] in ("auto", "onednn", "torch")
+def test_info_reports_the_measurement_and_the_cpu(fastbert_env):
+    fastbert_env(FASTBERT_CPU_GEMM="auto")
     if not cpu_linear.unavailable_reasons(torch.float32):
-        assert set(gemm["measured_gflops"]["float32"]) == {"torch", "onednn"}
+        assert dispatch.choose("gemm", torch.empty(2, 2)) in ("onednn", "torch")
+    info = fastbert.info()
+    gemm = info["cpu_gemm"]
+    assert gemm["requested"] == "auto"
+    if not cpu_linear.unavailable_reasons(torch.float32):
+        figures = gemm["measured_gflops"]["float32"]
+        assert set(figures) == {"torch", "onednn", "source"}
+        assert set(figures["torch"]) == set(figures["onednn"]) == set(cpu_linear.MEASURED_TOKENS)
+    assert info["cpu"]["model"] and set(info["cpu"]["flags"]) == set(fastbert.cpu.ISA_FLAGS)
+    assert info["cpu"]["native_bf16"] == (info["cpu"]["flags"]["avx512_bf16"] or info["cpu"]["flags"]["amx_bf16"])
+
+
+def test_gemm_choice_is_the_same_in_every_process(tmp_path):
+    """The auto choice is measured once per machine and read back by later processes: two processes on one machine
+    run the same GEMM library (the same low-order bits), whatever the timing noise of the second would say."""
+    script = ("import torch, fastbert; from fastbert import cpu, dispatch; "
+              "print(dispatch.choose('gemm', torch.empty(2, 2)), cpu.gemm_figures(torch.float32))")
+    env = {**os.environ, "FASTBERT_CACHE_DIR": str(tmp_path), "FASTBERT_CPU_GEMM": "auto"}
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True).stdout
+            for _ in range(2)]
+    first, second = (run.split(" ", 1) for run in runs)
+    assert first[0] == second[0]
+    assert "'source': 'measured'" in first[1] and str(tmp_path) in second[1]
+    assert first[1].split("'source'")[0] == second[1].split("'source'")[0]  # the same figures
+
+
+def test_forced_onednn_falls_back_where_it_cannot_run(fastbert_env, bert_trio, assert_matches_hf):
+    """FASTBERT_CPU_GEMM=onednn with an fp16 model (oneDNN runs fp32/bf16 here): F.linear runs those GEMMs, said
+    once, instead of every forward raising."""
+    fastbert_env(FASTBERT_CPU_GEMM="onednn")
+    trio = bert_trio(dtype=torch.float16)
+    input_ids, mask = right_padded(trio.config)
+    with pytest.warns(RuntimeWarning, match="FASTBERT_CPU_GEMM=onednn, but oneDNN cannot run torch.float16"):
+        out, out_hf, out_ref = trio.run(input_ids, attention_mask=mask)
+    assert_matches_hf(out.last_hidden_state, out_hf.last_hidden_state, out_ref.last_hidden_state, mask)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_said(monkeypatch, small_bert_config):
+    """On a CPU without AVX512-BF16/AMX (simulated: this one may have them), a bf16 model's forward says once that
+    bf16 is emulated there and slower than float32."""
+    monkeypatch.setattr(fastbert.cpu, "native_bf16", lambda: False)
+    model = fastbert.BertModel(small_bert_config()).eval().to(torch.bfloat16)
+    before = sum(n for note, n in fastbert.info()["notes"].items() if "no native bf16" in note)
+    with torch.inference_mode():
+        model(torch.ones(1, 4, dtype=torch.long))
+    assert sum(n for note, n in fastbert.info()["notes"].items() if "no native bf16" in note) == before + 1
 
 
 @pytest.mark.parametrize("gemm", ["onednn", "torch"])

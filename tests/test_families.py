@@ -232,6 +232,35 @@ def test_optimize_every_head(family, head, assert_matches_hf, caplog):
         assert_matches_hf(*(v.view(4, 8, -1) if real is not None else v for v in values), real, name=name)
 
 
+def _first_token_notes() -> int:
+    return sum(n for note, n in fastbert.info()["notes"].items() if "reads position 0" in note)
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("head", ["ForSequenceClassification", "ForMultipleChoice"])
+def test_left_padding_read_by_the_head_is_said(family, head, assert_matches_hf):
+    """A head reading position 0 of a left-padded batch: the padding-free path gives it zeros there (transformers a
+    value computed from the padding token), which is said at run time, every family; right padding says nothing;
+    with unpad=False position 0 is computed as transformers does and the head's outputs match."""
+    family = FAMILIES[family]
+    fast, hf, ref = trio(family, getattr(transformers, family.hf.__name__.removesuffix("Model") + head))
+    input_ids, _ = inputs(family.config, 4, 8)
+    lengths = torch.tensor([[8], [5], [3], [1]])
+    for side, mask in (("right", (torch.arange(8) < lengths).long()), ("left", (torch.arange(8) >= 8 - lengths).long())):
+        ids = input_ids.masked_fill(mask == 0, _pad_id(family.config))
+        if head == "ForMultipleChoice":
+            ids, mask = ids.view(2, 2, 8), mask.view(2, 2, 8)
+        before = _first_token_notes()
+        run((fast,), ids, attention_mask=mask)
+        assert _first_token_notes() == before + (side == "left"), side
+    assert any(f"{type(fast).__name__} head" in note or "pooler" in note for note in fastbert.info()["notes"])
+    fast.base_model.unpad = False
+    before = _first_token_notes()
+    outs = run((fast, hf, ref), ids, attention_mask=mask)
+    assert _first_token_notes() == before
+    assert_matches_hf(*(o.logits for o in outs))
+
+
 @pytest.mark.parametrize("family", FAMILY_IDS)
 def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, fastbert_env):
     """FASTBERT_BACKEND=triton, TRITON_INTERPRET=1: every op of the family runs its Triton kernel (counted)."""

@@ -1,0 +1,137 @@
+"""A forward's decisions, kept for the next forward while nothing they depend on has changed.
+
+Each fused op decides how it runs (``ops.py``): which backend, whether its modules are plain enough to read their
+weights directly, whether autograd needs the reference ops. A decision reads dozens of attributes and settings, and
+a bert-base forward has ~100 ops: deciding again on every call cost more host time than the ops themselves at small
+batches. So a model forward first reads, once, everything those decisions depend on:
+
+- the module tree, walked from the model: each module's class, children, parameters (by id, class and
+  ``requires_grad``), hooks (by handle), ``forward`` replaced on the instance, training flag and dropout
+  probability;
+- the global module hooks, grad mode, autocast, fastbert's settings and ``torch.backends.mkldnn.enabled``, the
+  model's device and dtype, and every ``.to()``/``.half()`` applied to a fastbert module since.
+
+That is the plan's key. While it is unchanged, the previous forward's decisions stand; when anything in it differs,
+a new plan decides again. (A hook added, a module wrapped by PEFT, ``model.train()``: the next forward sees it.)
+Derived weights are not decisions: they are checked on every call (``derived.py``), as are the inputs. A plan holds
+modules but no parameter (decisions read weights from their modules when they run), so a parameter replaced
+(``load_state_dict(assign=True)``) is freed at once, with what was derived from it.
+
+Not planned (decided on every call, as before): forwards under torch.compile, export or tracing, torch.func
+transforms, a dispatch mode (fake tensors), and ops called outside a model forward.
+"""
+
+import threading
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import dispatch, plain
+
+_active = threading.local()  # .plan: the plan of the forward running in this thread, or None
+_conversions = 0  # moved by every .to()/.half()/... of a fastbert module (layers.Fused._apply)
+
+
+def converted() -> None:
+    """A fastbert module's parameters were converted or moved: no plan made before stays valid."""
+    global _conversions
+    _conversions += 1
+
+
+class Plan:
+    """The decisions of the ops of one model for one key: op name and owning module -> what ``decide`` returned.
+    A copy or pickle of the model starts without a plan (its decisions name the original's modules)."""
+
+    def __init__(self, key: tuple):
+        self.key = key
+        self.decisions: dict[tuple[int, str], object] = {}
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return _no_plan, ()
+
+
+def _no_plan():
+    return None
+
+
+def plannable() -> bool:
+    """Whether this forward may reuse decisions: eager code on plain tensors only (see the module docstring)."""
+    return not (
+        torch.compiler.is_compiling()
+        or dispatch.exporting()
+        or _get_current_dispatch_mode() is not None
+        or torch._C._functorch.maybe_current_level() is not None
+    )
+
+
+def for_model(model, device: torch.device, dtype: torch.dtype, inputs_require_grad: bool) -> Plan | None:
+    """``model``'s plan for a forward now (its last one when the key is unchanged, else a new one), or None where
+    forwards are not planned."""
+    if not plannable():
+        return None
+    settings = dispatch.settings()
+    key = (
+        structure(model), device, dtype, torch.is_grad_enabled(), inputs_require_grad,
+        device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type), settings, torch.backends.mkldnn.enabled, plain.global_hooks(),
+        _conversions,
+    )
+    last = model.__dict__.get("_fastbert_plan")
+    if last is not None and last.key == key:
+        return last
+    plan = Plan(key)
+    model.__dict__["_fastbert_plan"] = plan  # (one assignment: another thread sees the old plan or this one)
+    return plan
+
+
+def structure(model) -> tuple:
+    """Everything about ``model``'s module tree that a decision reads, one entry per module (holding the modules,
+    so no module id in a plan is reused while it lives; parameters by id, class and ``requires_grad``)."""
+    entries = []
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        d = m.__dict__
+        children = tuple(d["_modules"].values())
+        params = d["_parameters"]
+        hooks = (d["_forward_hooks"], d["_forward_pre_hooks"], d["_backward_hooks"], d["_backward_pre_hooks"])
+        entries.append((
+            m, type(m), d["training"], d.get("p"), "forward" in d, children,
+            tuple(tuple(h) for h in hooks) if any(hooks) else None,
+            tuple(None if p is None else (id(p), type(p), p.requires_grad) for p in params.values()) if params else None,
+        ))
+        stack.extend(c for c in children if c is not None)
+    return tuple(entries)
+
+
+class active:
+    """``with active(plan):`` the ops called in this thread keep their decisions in ``plan`` (None: none)."""
+
+    def __init__(self, plan: Plan | None):
+        self.plan = plan
+
+    def __enter__(self):
+        self.outer = getattr(_active, "plan", None)
+        _active.plan = self.plan
+        return self.plan
+
+    def __exit__(self, *exc):
+        _active.plan = self.outer
+
+
+def decided(owner, op: str, decide, *args):
+    """``decide(*args)``, kept in the active plan under (``owner``, ``op``): the decision of ``op`` for the module
+    ``owner``, taken once per plan. Outside a plan, decided on every call."""
+    plan = getattr(_active, "plan", None)
+    if plan is None:
+        return decide(*args)
+    key = (id(owner), op)
+    decision = plan.decisions.get(key, _MISSING)
+    if decision is _MISSING:  # (None is a decision too)
+        decision = plan.decisions[key] = decide(*args)
+    return decision
+
+
+_MISSING = object()
