@@ -205,14 +205,41 @@ class GraphSet:
         return None if b is None or s is None else (b, s)
 
 
+class StaticForward:
+    """A bucket's static inputs, [3, b, s] indices and a [b, s] mask, and the forward a graph captures from them.
+
+    Everything that forward reads is derived from the buffers inside it, the layout's key bounds included: a value
+    computed before the capture (from the buffers as they were then, all zeros) would be replayed forever, whatever
+    the buffers hold later. ``feed`` fills the buffers for a call; ``forward`` runs the encoder on them (captured
+    once, replayed per call; tests run it eagerly on CPU to check exactly that)."""
+
+    def __init__(self, batch: int, seq_len: int, device: torch.device):
+        self.indices = torch.zeros(3, batch, seq_len, dtype=torch.long, device=device)
+        self.mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+
+    def feed(self, indices: torch.Tensor, layout: padding.TokenLayout) -> None:
+        """indices [3, B*S] and the call's dense layout (``FusedModel._prepare``), B and S within the bucket."""
+        batch, seq_len = layout.batch, layout.seq_len
+        self.indices.zero_()  # the bucket's padding: valid ids, masked out
+        self.indices[:, :batch, :seq_len].copy_(indices.view(3, batch, seq_len))
+        self.mask.zero_()
+        keys = layout.key_mask()
+        if keys is None:
+            self.mask[:batch, :seq_len] = True
+        else:
+            self.mask[:batch, :seq_len].copy_(keys)
+
+    def forward(self, model):
+        batch, seq_len = self.mask.shape
+        return model._encode(self.indices.view(3, -1), padding.dense_layout(batch, seq_len, self.mask))
+
+
 class _Graph:
-    """One bucket: the encoder captured on static inputs [3, b, s] indices and a [b, s] mask."""
+    """One bucket: the encoder captured on its ``StaticForward``."""
 
     def __init__(self, model, batch: int, seq_len: int, pool, stream):
         device = model.embeddings.word_embeddings.weight.device
-        self.indices = torch.zeros(3, batch, seq_len, dtype=torch.long, device=device)
-        self.mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
-        layout = padding.dense_layout(batch, seq_len, self.mask)
+        self.static = StaticForward(batch, seq_len, device)
         # Warm up on the capture stream (Triton compiles, cuBLAS picks its kernels, derived weights are cached),
         # then capture: nothing lazy may happen inside the capture. "thread_local": another thread's CUDA calls
         # (e.g. a range check's read-back) do not invalidate it.
@@ -220,23 +247,17 @@ class _Graph:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    model._encode(self.indices.view(3, -1), layout)
+                    self.static.forward(model)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self.output = model._encode(self.indices.view(3, -1), layout)
+                self.output = self.static.forward(model)
 
     def replay(self, model, indices: torch.Tensor, layout: padding.TokenLayout):
         """indices [3, B*S] and the dense layout of the call (``FusedModel._prepare``) -> the output, sliced to
         [B, S] and copied out of the graph's memory."""
         batch, seq_len = layout.batch, layout.seq_len
-        self.indices.zero_()  # the bucket's padding: valid ids, masked out
-        self.indices[:, :batch, :seq_len].copy_(indices.view(3, batch, seq_len))
-        self.mask.zero_()
-        if layout.key_padding_mask is None:
-            self.mask[:batch, :seq_len] = True
-        else:
-            self.mask[:batch, :seq_len].copy_(layout.key_padding_mask)
+        self.static.feed(indices, layout)
         self.graph.replay()
         out = {"last_hidden_state": self.output.last_hidden_state[:batch, :seq_len].clone()}
         if getattr(self.output, "pooler_output", None) is not None:

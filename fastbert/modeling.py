@@ -196,7 +196,8 @@ class FusedModel(layers.Fused):
             layout = padding.dense_layout(batch, seq_len, mask)
         if layout.packed:
             indices = indices.index_select(1, layout.indices)  # [3, N]
-        if indices.device != word.device:
+        if indices.device != word.device:  # (host inputs, GPU model: a right-padded mask goes as bounds only)
+            layout = padding.bounds_only(layout) if word.device.type == "cuda" else layout
             indices, layout = padding.to_device(indices, word.device), layout.to(word.device)
         return indices, layout
 

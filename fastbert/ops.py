@@ -319,12 +319,12 @@ def _attention_backend(qkv: torch.Tensor, dropout_p: float, head_dim: int) -> tu
 def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float) -> torch.Tensor:
     """Dense layout through torch SDPA. heads: [B*S, 3, H, D] -> [B, S, H, D]."""
     q, k, v = heads.view(layout.batch, layout.seq_len, *heads.shape[1:]).permute(2, 0, 3, 1, 4)  # [B, H, S, D] each
-    mask = None
-    if layout.key_padding_mask is not None:
+    mask, keys = None, layout.key_mask()
+    if keys is not None:
         # Additive mask with the dtype's most negative finite value (as HF does): a fully padded row then averages
         # its values instead of producing NaN, and cannot poison other rows.
-        mask = torch.zeros(layout.key_padding_mask.shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~layout.key_padding_mask, torch.finfo(q.dtype).min)
+        mask = torch.zeros(keys.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~keys, torch.finfo(q.dtype).min)
         mask = mask[:, None, None, :]  # [B, 1, 1, S]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # [B, H, S, D]
     return out.transpose(1, 2)

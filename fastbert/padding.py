@@ -35,6 +35,13 @@ class TokenLayout:
     def packed(self) -> bool:
         return self.indices is not None
 
+    def key_mask(self) -> torch.Tensor | None:
+        """Dense layout: [B, S] bool, True where a key is a real token (from the mask, or from the bounds alone when
+        the mask was a right-padded prefix), or None when every key is."""
+        if self.key_padding_mask is not None or self.key_bounds is None:
+            return self.key_padding_mask
+        return torch.arange(self.seq_len, device=self.key_bounds.device)[None, :] < self.key_bounds[:, None]
+
     @property
     def max_seqlen(self) -> int:
         return max(self.seqlens, default=0) if self.packed else self.seq_len
@@ -67,6 +74,17 @@ def dense_layout(batch: int, seq_len: int, attention_mask: torch.Tensor | None) 
     positions = torch.arange(1, seq_len + 1, dtype=torch.int32, device=keep.device)
     key_bounds = (keep * positions).amax(dim=1) if seq_len else keep.new_zeros(batch, dtype=torch.int32)
     return TokenLayout(batch, seq_len, key_padding_mask=keep, key_bounds=key_bounds.to(torch.int32))
+
+
+def bounds_only(layout: TokenLayout) -> TokenLayout:
+    """A dense layout whose mask (on the host) is a right-padded prefix, row b real exactly at 0 .. key_bounds[b] - 1,
+    as the bounds alone: the attention kernel then skips the keys past each bound and loads no mask at all. Other
+    layouts are returned unchanged. One look at host memory; meant for CPU inputs going to a GPU model."""
+    keep = layout.key_padding_mask
+    if keep is None or keep.device.type != "cpu" or layout.key_bounds is None:
+        return layout
+    prefix = torch.arange(layout.seq_len)[None, :] < layout.key_bounds[:, None]
+    return replace(layout, key_padding_mask=None) if torch.equal(keep, prefix) else layout
 
 
 def sequence_lengths(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,36 @@ def test_copies_and_pickles_start_without_graphs(small_bert_config):
         assert (clone._graphs.batch_sizes, clone._graphs.seq_lens) == ((1, 2), (8,))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_static_forward_matches_eager(small_bert_config, backend, fastbert_env):
+    """What a graph captures and replays, run eagerly on CPU: the bucket's forward built on zeroed buffers (as at
+    capture), then fed one call after another, each equal to that call's eager forward. A layout or bound computed
+    from the buffers before they are fed (the key bounds once were) fails this. Triton runs through its interpreter
+    (the path a GPU graph captures), and torch's SDPA path too."""
+    from fastbert.graphs import StaticForward
+
+    fastbert_env(FASTBERT_BACKEND=backend, TRITON_INTERPRET="1")
+    model = fastbert.BertModel(small_bert_config(hidden_size=52, num_attention_heads=2, intermediate_size=80)).eval()
+    static = StaticForward(4, 16, torch.device("cpu"))
+    with torch.inference_mode():
+        static.forward(model)  # built before any input, as a capture is
+        for batch, seq_len, seed in [(3, 11, 0), (4, 16, 1), (1, 5, 2)]:
+            input_ids, _ = random_inputs(model.config, batch, seq_len, seed=seed)
+            mask = mixed_mask(batch, seq_len)
+            if batch > 1:
+                mask[-1] = 0  # a fully padded row
+            eager = model(input_ids, attention_mask=mask)
+            indices, layout = model._prepare(dict(input_ids=input_ids, attention_mask=mask, token_type_ids=None,
+                                                  position_ids=None, inputs_embeds=None), unpad=False)
+            static.feed(indices, layout)
+            out = static.forward(model)
+            real = mask.bool()
+            torch.testing.assert_close(out.last_hidden_state[:batch, :seq_len][real], eager.last_hidden_state[real],
+                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(out.pooler_output[:batch][real[:, 0]], eager.pooler_output[real[:, 0]],
+                                       rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("batch, seq_len, bucket", [(1, 1, (1, 16)), (3, 16, (4, 16)), (4, 17, (4, 32)),
                                                     (8, 100, (8, 128)), (9, 8, None), (2, 129, None)])
 def test_buckets(batch, seq_len, bucket):

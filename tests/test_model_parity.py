@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import padding
+from fastbert import ops, padding
 
 # Configurations named by what they exercise: head dims 16, 26 (hidden 312, not a multiple of 64) and 64, and the
 # three activations BERT checkpoints use.
@@ -248,6 +248,19 @@ def test_pack_unpack_round_trip(mask_dtype):
     dense = padding.dense_layout(6, 11, mask)
     assert not dense.packed and torch.equal(padding.unpack(padding.pack(x, dense), dense), x)
     assert torch.equal(dense.key_padding_mask, real)
+
+
+def test_right_padded_host_mask_goes_as_bounds_only():
+    """A right-padded mask on the host becomes key bounds alone (the attention loads no mask); any other mask stays.
+    The SDPA path reads the same keys either way."""
+    right = (torch.arange(7)[None] < torch.tensor([[7], [3], [0]])).long()
+    layout = padding.bounds_only(padding.dense_layout(3, 7, right))
+    assert layout.key_padding_mask is None and torch.equal(layout.key_mask(), right.bool())
+    holes = mixed_mask(4, 7)
+    assert padding.bounds_only(padding.dense_layout(4, 7, holes)).key_padding_mask is not None
+    heads = torch.randn(3 * 7, 3, 2, 8)
+    with_mask = ops._attention_sdpa(heads, padding.dense_layout(3, 7, right), 0.0)
+    torch.testing.assert_close(ops._attention_sdpa(heads, layout, 0.0), with_mask, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""Forward plans (fastbert/plan.py): a forward reuses the previous one's decisions, and whatever they depend on —
+hooks, wrapped modules, training mode, requires_grad, settings, dtype — changes them at the very next forward."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from test_model_api import right_padded
+
+import fastbert
+from fastbert import ops
+
+
+@pytest.fixture
+def pair(small_bert_config):
+    torch.manual_seed(0)
+    hf = transformers.BertModel(small_bert_config(hidden_dropout_prob=0.1)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return hf, fastbert.optimize(copy.deepcopy(hf))
+
+
+def _run(model, **kwargs):
+    input_ids, mask = right_padded(model.config)
+    with torch.inference_mode():
+        return model(input_ids, attention_mask=mask, **kwargs).last_hidden_state[mask.bool()]
+
+
+def _same(fast, hf):
+    torch.testing.assert_close(_run(fast), _run(hf), rtol=0, atol=1e-5)
+
+
+def test_decisions_are_taken_once(pair, monkeypatch):
+    hf, fast = pair
+    taken = []
+    for name in ("_how_dense_residual_layer_norm", "_how_dense_act", "_how_qkv_projection", "_how_embedding"):
+        decide = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *args, _decide=decide, _name=name: taken.append(_name) or _decide(*args))
+    _run(fast)
+    first = len(taken)
+    assert first == 1 + 4 * fast.config.num_hidden_layers  # embedding; per layer qkv, dense_act, 2 x residual+LN
+    _run(fast)
+    _run(fast, output_hidden_states=True)
+    assert len(taken) == first
+
+
+def test_a_hook_added_between_forwards_runs(pair):
+    hf, fast = pair
+    _same(fast, hf)
+    seen = []
+    dense = fast.encoder.layer[1].intermediate.dense
+    handle = dense.register_forward_hook(lambda module, args, out: seen.append(out.shape) or out * 2)
+    hf_handle = hf.encoder.layer[1].intermediate.dense.register_forward_hook(lambda m, a, out: out * 2)
+    _same(fast, hf)
+    assert seen
+    handle.remove(), hf_handle.remove()
+    count = len(seen)
+    _same(fast, hf)
+    assert len(seen) == count
+
+
+def test_a_module_wrapped_between_forwards_is_called(pair):
+    peft = pytest.importorskip("peft")
+    hf, fast = pair
+    _same(fast, hf)
+    config = peft.LoraConfig(r=2, target_modules=["value", "dense"], init_lora_weights=False)
+    torch.manual_seed(3)
+    fast_lora = peft.get_peft_model(fast, config)
+    torch.manual_seed(3)
+    hf_lora = peft.get_peft_model(hf, config)
+    torch.testing.assert_close(_run(fast_lora.base_model.model), _run(hf_lora.base_model.model), rtol=0, atol=1e-5)
+
+
+def test_training_mode_and_requires_grad_change_the_path(pair):
+    hf, fast = pair
+    _same(fast, hf)
+    fast.train()  # dropout 0.1 is active from the next forward on
+    assert not torch.equal(_run(fast), _run(fast))
+    fast.eval()
+    _same(fast, hf)
+    input_ids, mask = right_padded(fast.config)
+    out = fast(input_ids, attention_mask=mask).last_hidden_state  # gradients: the reference ops, autograd through
+    assert out.requires_grad
+    fast.requires_grad_(False)
+    assert not fast(input_ids, attention_mask=mask).last_hidden_state.requires_grad
+
+
+def test_settings_and_dtype_change_the_plan(pair, fastbert_env):
+    hf, fast = pair
+    _run(fast)
+    plan = fast.__dict__["_fastbert_plan"]
+    fastbert_env(FASTBERT_BACKEND="torch")
+    _run(fast)
+    assert fast.__dict__["_fastbert_plan"] is not plan
+    plan = fast.__dict__["_fastbert_plan"]
+    fast.to(torch.bfloat16)
+    _run(fast)
+    assert fast.__dict__["_fastbert_plan"] is not plan
