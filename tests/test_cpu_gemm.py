@@ -176,7 +176,9 @@ def test_gemm_choice_is_the_same_in_every_process(tmp_path):
     script = ("import torch, fastbert; from fastbert import cpu, dispatch; "
               "print(dispatch.choose('gemm', torch.empty(2, 2)), cpu.gemm_figures(torch.float32))")
     env = {**os.environ, "FASTBERT_CACHE_DIR": str(tmp_path), "FASTBERT_CPU_GEMM": "auto"}
-    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True).stdout
+    # cwd elsewhere: `python -c` puts the working directory first on sys.path, and the tests use the installed package.
+    runs = [subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env,
+                           check=True).stdout
             for _ in range(2)]
     first, second = (run.split(" ", 1) for run in runs)
     assert first[0] == second[0]

@@ -294,7 +294,7 @@ def test_inference_threads_beside_a_writer_thread(gemm, writer):
     assert wrong == 0, f"{wrong} of {checked} calls that started after an update returned used other weights"
 
 
-def test_dtype_conversion_racing_inference_never_corrupts_memory():
+def test_dtype_conversion_racing_inference_never_corrupts_memory(tmp_path):
     """``.to(bfloat16)``/``.to(float32)`` in one thread while another runs inference (a subprocess: memory
     corruption would abort it). transformers raises dtype errors in the overlapping calls and survives; so must
     fastbert: exceptions are allowed, a crash is not."""
@@ -321,7 +321,8 @@ def test_dtype_conversion_racing_inference_never_corrupts_memory():
         [t.start() for t in threads]; [t.join() for t in threads]
         print("calls", calls[0], "errors", errors[0])
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # cwd elsewhere: `python -c` puts the working directory first on sys.path, and the tests use the installed package.
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "calls" in result.stdout
 
