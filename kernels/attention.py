@@ -62,10 +62,20 @@ def attention_varlen_ref(
 #   out   = acc / l
 # Until a row has seen a real key, m = -inf; the exponents then use 0 instead of m' (so -inf - -inf never makes a
 # NaN), and a row with no real key at all ends with acc = 0, l = 0 and is written as zeros (l guarded to 1).
+# Loading and masking are separate. K and V rows are loaded for every key below kv_len (seq_len, or key_bounds[b]
+# with HAS_BOUND), padding or not: those rows are real memory of this sequence (a padding token's QKV projection),
+# so the loads need the bound check only. The padding mask (HAS_MASK) is loaded once per key block and applied once,
+# to the scores (s_j = -inf). A masked key then contributes exactly nothing: s_j = -inf whatever k_j holds (the
+# column q k_j of the dot depends on k_j alone, and tl.where replaces even a NaN), so it never raises m,
+# p_j = 2^(-inf - m') = 0 exactly, and it adds nothing to l or acc (0 * v_j = +-0 for a finite v_j: padding rows
+# come from the same projection as real ones; an inf or NaN there would reach acc, as it does in attention_ref).
+# An earlier version loaded masked k_j and v_j as 0 instead: the same s_j and p_j, the same sums.
 # A block whose keys are all masked changes nothing (p = 0 and alpha = 2^0 = 1 exactly, or acc = l = 0 still): so
 # stopping the loop at key_bounds[b] (HAS_BOUND) instead of loading trailing padding blocks and masking them gives
-# bit-identical results whenever every key at or past the bound is masked anyway. With EVEN_N (padded layout, 16-bit, S a multiple of
-# BLOCK_N, no bound) every block is full: the per-key `keys < S` check goes, leaving the head-dim and padding masks.
+# bit-identical results whenever every key at or past the bound is masked anyway; key_bounds alone (no mask) is a
+# right-padded prefix mask without any mask load. With EVEN_N (padded layout, 16-bit, S a multiple of BLOCK_N, no
+# bound) every block is full: K and V loads drop the per-key `keys < S` check, and without a mask the scores need
+# no tl.where at all.
 # The head dim D is padded to BLOCK_D (a power of two, >= 16 for tl.dot) with masked loads: padded lanes are 0 in
 # q, k and v, so they add nothing to q.k and are never stored.
 # ---------------------------------------------------------------------------------------------------------------
@@ -79,7 +89,7 @@ def _attention_fwd_kernel(
     OUT,  # pointer to the output: [B, S, H, D] (padded) or [T, H, D] (varlen), contiguous
     MASK,  # pointer to key_padding_mask [B, S], nonzero = real token (read only if HAS_MASK)
     KEY_BOUNDS,  # pointer to key_bounds [B] int32: keys >= key_bounds[b] are padding (read only if HAS_BOUND)
-    CU_SEQLENS,  # pointer to cu_seqlens [B + 1] int32 (read only if VARLEN)
+    CU_SEQLENS,  # pointer to cu_seqlens [B + 1] int32, contiguous (read only if VARLEN)
     stride_qkv_b,  # elements between batches of qkv (padded layout; unused when VARLEN)
     stride_qkv_s,  # elements between tokens of qkv
     stride_qkv_h,  # elements between heads of qkv (the head dim itself has stride 1)
@@ -137,19 +147,21 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
     for start_n in range(0, kv_len, BLOCK_N):
         keys = start_n + offs_n
-        if EVEN_N:  # a constant: the compiler folds it out of the masks and the tl.where below
-            key_ok = tl.full([BLOCK_N], 1, tl.int1)
+        if EVEN_N:  # a constant: the compiler folds it out of the load masks
+            in_bound = tl.full([BLOCK_N], 1, tl.int1)
         else:
-            key_ok = keys < kv_len
-        if HAS_MASK:
-            key_ok &= tl.load(mask_row + keys * stride_mask_s, mask=key_ok, other=0) != 0
+            in_bound = keys < kv_len
         k_t = tl.load(
             K + qkv_offset + keys[None, :] * stride_qkv_s + offs_d[:, None],
-            mask=key_ok[None, :] & d_ok[:, None],
+            mask=in_bound[None, :] & d_ok[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k_t, input_precision=INPUT_PRECISION) * qk_scale
-        s = tl.where(key_ok[None, :], s, float("-inf"))
+        s = tl.dot(q, k_t, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_MASK:  # other=0: a key past kv_len is padding too
+            real = tl.load(mask_row + keys * stride_mask_s, mask=in_bound, other=0) != 0  # [BLOCK_N]
+            s = tl.where(real[None, :], s, float("-inf"))
+        elif not EVEN_N:  # keys past kv_len were loaded as 0, scoring 0: mask them
+            s = tl.where(in_bound[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
@@ -157,7 +169,7 @@ def _attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             V + qkv_offset + keys[:, None] * stride_qkv_s + offs_d[None, :],
-            mask=key_ok[:, None] & d_ok[None, :],
+            mask=in_bound[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
@@ -296,6 +308,7 @@ def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seq
                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"cu_seqlens must be [batch + 1], got shape {tuple(cu_seqlens.shape)}")
+    check_last_dim_contiguous("cu_seqlens", cu_seqlens)  # the kernel reads CU_SEQLENS + batch: no stride
     if cu_seqlens.device != qkv.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but qkv is on {qkv.device}")
     if not isinstance(max_seqlen, int) or max_seqlen < 0:
@@ -393,7 +406,9 @@ def attention(
 
     key_bounds[b]: every key at index >= key_bounds[b] is padding (any int: clamped to [0, S] by the kernel, which
     then never loads those key blocks). With key_bounds = index of the last real token + 1, computed from the mask,
-    the output is bit-identical to the mask alone, and trailing padding costs no key-loop work.
+    the output is bit-identical to the mask alone, and trailing padding costs no key-loop work. Given without a mask,
+    key_bounds stand for a right-padded prefix mask (keys 0 .. key_bounds[b] - 1 real): the same output, bit for bit,
+    and no mask is read at all.
 
     qkv is read through its strides (typically ``gemm_out.view(B, S, 3, H, D)`` of the fused QKV projection
     [B*S, 3*H*D]; only the head dim must have stride 1): no transpose copy. D <= 128, any value. Padded query rows
@@ -404,7 +419,7 @@ def attention(
 
 
 def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    """Packed layout: qkv [T, 3, H, D] (strided like ``attention``), cu_seqlens [B + 1] int32 with
+    """Packed layout: qkv [T, 3, H, D] (strided like ``attention``), cu_seqlens [B + 1] int32, contiguous, with
     cu_seqlens[0] = 0, cu_seqlens[-1] = T, non-decreasing (empty sequences allowed), max_seqlen >= the longest
     sequence (not checked: that would need a device sync; rows past max_seqlen would be left unwritten)
     -> out [T, H, D], contiguous. Same semantics as ``attention_varlen_ref``.

@@ -112,6 +112,22 @@ def test_attention_key_bounds_bit_identical(device, dtype, head_dim, seq_len):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_len", [1, 5, 17, 33])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_attention_key_bounds_only(device, dtype, head_dim, seq_len):
+    """key_bounds without a mask: what a caller passes when its mask is a right-padded prefix (the kernel then loads
+    no mask at all). Every key, about half, one, none (zeros), against the reference, and bit for bit against the
+    prefix mask with the same bounds (the dense path for the same batch)."""
+    skip_bf16_on_interpreter(dtype, device)
+    bounds = torch.tensor([seq_len, (seq_len + 1) // 2, 1, 0], dtype=torch.int32, device=device)
+    qkv = fused_qkv(4 * seq_len, head_dim, dtype, device).view(4, seq_len, 3, HEADS, head_dim)
+    out = check_padded(qkv, None, bounds)
+    assert (out[3] == 0).all()
+    prefix = torch.arange(seq_len, device=device)[None, :] < bounds[:, None]
+    assert torch.equal(out, attention(qkv, prefix, bounds))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no_mask"])
 def test_attention_key_bounds_inconsistent_with_mask(device, dtype, with_mask):
     """Bounds cutting into real tokens, past S, 0 and negative: keys >= bound are masked on top of the mask."""
@@ -248,6 +264,18 @@ def test_attention_config_asks_the_arch_once_per_cuda_device(monkeypatch):
         _gpu_arch.cache_clear()  # forget the fake capabilities
 
 
+# Every kernel variant the launchers run: name -> (HAS_MASK, HAS_BOUND, EVEN_N, VARLEN); EVEN_N for 16-bit only.
+KERNEL_VARIANTS = {
+    "no mask": (False, False, False, False),  # fp32, or 16-bit with S not a multiple of BLOCK_N
+    "mask": (True, False, False, False),
+    "mask+bounds": (True, True, False, False),  # the dense masked path (unpad=False, torch.compile, CUDA graphs)
+    "bounds": (False, True, False, False),  # a right-padded prefix mask passed as key_bounds alone
+    "varlen": (False, False, False, True),
+    "even_n": (False, False, True, False),
+    "even_n+mask": (True, False, True, False),
+}
+
+
 @pytest.mark.skipif(not compilable(_attention_fwd_kernel), reason="TRITON_INTERPRET=1 at import")
 @pytest.mark.parametrize("dtype, precision", [(torch.float16, "tf32"), (torch.bfloat16, "tf32"),
                                               (torch.float32, "ieee"), (torch.float32, "tf32")])
@@ -255,27 +283,27 @@ def test_attention_config_asks_the_arch_once_per_cuda_device(monkeypatch):
 def test_attention_compiles_for_h100(dtype, precision, head_dim):
     """The compiled path, which the interpreter never exercises (early exit, loop-carried types, the constexpr
     layouts), builds for sm_90 with the table's sm90 block sizes, fits H100's shared memory and spills no registers
-    (no GPU needed; compile_for_gpu specializes like a launch, which changes register allocation). Every variant the
-    launcher picks: (HAS_MASK, HAS_BOUND, EVEN_N, VARLEN), EVEN_N for 16-bit inputs only."""
+    (no GPU needed; compile_for_gpu specializes like a launch, which changes register allocation). Every variant in
+    KERNEL_VARIANTS; the padded ones without EVEN_N at S = 128 and at S = 100 (a length that is not a multiple of 16
+    specializes differently, and is what sends a 16-bit batch without bounds to the checked loop)."""
     config = _gpu_config("sm90", head_dim, dtype)
     qkv, mask, i32 = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int32)
     hidden = 12 * head_dim
-    variants = [(True, False, False, False), (False, True, False, False), (True, True, False, False),
-                (False, False, False, True)]
-    if dtype != torch.float32:
-        variants += [(True, False, True, False), (False, False, True, False)]
-    for has_mask, has_bound, even_n, varlen in variants:
-        compiled = compile_for_gpu(
-            _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32,
-            0 if varlen else 128 * 3 * hidden, 3 * hidden, head_dim, hidden, head_dim, 128, 1, 1,
-            0 if varlen else 128, 12, head_dim, 0.18, HAS_MASK=has_mask, HAS_BOUND=has_bound, EVEN_N=even_n,
-            VARLEN=varlen, INPUT_PRECISION=precision, **config,
-        )
-        assert compiled.metadata.shared <= 227 * 1024
-        resources = cubin_resources(compiled)
-        if resources is not None:
-            assert resources[1] == 0, (f"mask={has_mask} bound={has_bound} even_n={even_n} varlen={varlen}: "
-                                       f"{resources[0]} registers, {resources[1]} bytes of spills")
+    for name, (has_mask, has_bound, even_n, varlen) in KERNEL_VARIANTS.items():
+        if even_n and dtype == torch.float32:
+            continue
+        for seq_len in [0] if varlen else [128] if even_n else [100, 128]:
+            compiled = compile_for_gpu(
+                _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32,
+                seq_len * 3 * hidden, 3 * hidden, head_dim, hidden, head_dim, seq_len, 1, 1,
+                seq_len, 12, head_dim, 0.18, HAS_MASK=has_mask, HAS_BOUND=has_bound, EVEN_N=even_n,
+                VARLEN=varlen, INPUT_PRECISION=precision, **config,
+            )
+            assert compiled.metadata.shared <= 227 * 1024
+            resources = cubin_resources(compiled)
+            if resources is not None:
+                assert resources[1] == 0, (f"{name}, S = {seq_len}: "
+                                           f"{resources[0]} registers, {resources[1]} bytes of spills")
 
 
 def test_attention_opcheck():
@@ -324,3 +352,6 @@ def test_attention_errors():
         attention_varlen(packed, cu_seqlens_of([5, 5], "cpu")[None], 5)
     with pytest.raises(ValueError, match="max_seqlen must be a non-negative int"):
         attention_varlen(packed, cu_seqlens_of([5, 5], "cpu"), -1)
+    strided = torch.tensor([0, 99, 5, 99, 10], dtype=torch.int32)[::2]  # [0, 5, 10]: the kernel would read 0, 99
+    with pytest.raises(ValueError, match=r"cu_seqlens must be contiguous .*got strides \(2,\)"):
+        attention_varlen(packed, strided, 5)
