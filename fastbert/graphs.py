@@ -218,10 +218,11 @@ class StaticForward:
         self.mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
 
     def feed(self, indices: torch.Tensor, layout: padding.TokenLayout) -> None:
-        """indices [3, B*S] and the call's dense layout (``FusedModel._prepare``), B and S within the bucket."""
+        """indices [3, B*S (+ spare rows)] and the call's dense layout (``FusedModel._prepare``), B and S within the
+        bucket."""
         batch, seq_len = layout.batch, layout.seq_len
         self.indices.zero_()  # the bucket's padding: valid ids, masked out
-        self.indices[:, :batch, :seq_len].copy_(indices.view(3, batch, seq_len))
+        self.indices[:, :batch, :seq_len].copy_(indices[:, : batch * seq_len].view(3, batch, seq_len))
         self.mask.zero_()
         keys = layout.key_mask()
         if keys is None:

@@ -196,10 +196,20 @@ class FusedModel(layers.Fused):
             layout = padding.dense_layout(batch, seq_len, mask)
         if layout.packed:
             indices = indices.index_select(1, layout.indices)  # [3, N]
+        if plans.decided(self, "bucket_rows", self._buckets_rows):
+            indices, layout = padding.with_spare_rows(indices, layout, padding.bucket_rows(layout.tokens))
         if indices.device != word.device:  # (host inputs, GPU model: a right-padded mask goes as bounds only)
             layout = padding.bounds_only(layout) if word.device.type == "cuda" else layout
             indices, layout = padding.to_device(indices, word.device), layout.to(word.device)
         return indices, layout
+
+    def _buckets_rows(self) -> bool:
+        """Whether the token rows are bucketed (``padding.bucket_rows``): in CPU inference where oneDNN runs the
+        GEMMs, whose memory grows with every distinct row count it sees."""
+        word = self.embeddings.word_embeddings.weight
+        return (word.device.type == "cpu" and plans.plannable()
+                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+                and dispatch.choose("gemm", word) == "onednn")
 
     def _token_ids(self, inputs: dict) -> tuple[tuple[torch.Tensor, ...], list[int], str]:
         """Checks the inputs (clear errors before any kernel runs) -> ((word, token type, position ids, [B, S] each,

@@ -284,28 +284,34 @@ def _stack_and_pack_qkv(*params) -> tuple[torch.Tensor, torch.Tensor]:
 def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v per head, over each sequence's real tokens.
 
-    qkv: [tokens, 3 * hidden] straight from the fused QKV GEMM -> [tokens, hidden].
+    qkv: [rows, 3 * hidden] straight from the fused QKV GEMM -> [rows, hidden] (rows: the layout's tokens, then its
+    spare rows, which come out zero).
     """
-    tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
+    tokens, hidden = layout.tokens, qkv.shape[1] // 3
     head_dim = hidden // num_heads
-    heads = qkv.view(tokens, 3, num_heads, head_dim)
     # (the same decision for every layer with the same arguments)
     backend, warning = decided(None, ("attention", qkv.requires_grad, dropout_p, head_dim), _attention_backend,
                                qkv, dropout_p, head_dim)
     if warning is not None:
         announce.fallback(warning)
-    # Explicit [tokens, hidden] (not -1): tokens may be 0 (an empty batch, or every row fully padded).
+    real = qkv[:tokens] if layout.spare_rows else qkv
+    out = _attention(real.view(tokens, 3, num_heads, head_dim), layout, dropout_p, backend)
+    out = out.reshape(tokens, hidden)  # (SDPA's math backend, for dropout and float64, returns [B, H, S, D] memory)
+    return torch.cat([out, out.new_zeros(layout.spare_rows, hidden)]) if layout.spare_rows else out
+
+
+def _attention(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, backend: str) -> torch.Tensor:
+    """heads [N, 3, H, D] -> [N, H, D] (or [B, S, H, D]) by ``backend``, for the layout."""
     if backend == "triton":
         if layout.packed:
-            return attention_kernels.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen).view(tokens, hidden)
-        padded = heads.view(layout.batch, layout.seq_len, 3, num_heads, head_dim)
-        return attention_kernels.attention(padded, layout.key_padding_mask, layout.key_bounds).view(tokens, hidden)
+            return attention_kernels.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen)
+        padded = heads.view(layout.batch, layout.seq_len, *heads.shape[1:])
+        return attention_kernels.attention(padded, layout.key_padding_mask, layout.key_bounds)
     if layout.packed:
-        if qkv.device.type == "cuda":  # (a loop of small SDPA calls would be host-bound on a GPU)
-            return _attention_packed_via_padded_sdpa(heads, layout, dropout_p).view(tokens, hidden)
-        return _attention_varlen_sdpa(heads, layout.seqlens, dropout_p).view(tokens, hidden)
-    # reshape, not view: SDPA's math backend (dropout, float64) returns [B, H, S, D]-contiguous memory.
-    return _attention_sdpa(heads, layout, dropout_p).reshape(tokens, hidden)
+        if heads.device.type == "cuda":  # (a loop of small SDPA calls would be host-bound on a GPU)
+            return _attention_packed_via_padded_sdpa(heads, layout, dropout_p)
+        return _attention_varlen_sdpa(heads, layout.seqlens, dropout_p)
+    return _attention_sdpa(heads, layout, dropout_p)
 
 
 def _attention_backend(qkv: torch.Tensor, dropout_p: float, head_dim: int) -> tuple[str, str | None]:

@@ -12,7 +12,7 @@ import transformers
 from test_model_api import right_padded
 
 import fastbert
-from fastbert import dispatch
+from fastbert import dispatch, padding
 from fastbert.kernels import cpu_linear
 
 
@@ -99,6 +99,34 @@ def test_model_matches_hf(onednn, name):
     assert fastbert.info()["backends"]["gemm"] == "onednn"
     packed = [m for m in fast.modules() if "_fastbert_derived" in m.__dict__]
     assert packed, "no oneDNN weight was cached"
+
+
+def test_token_rows_are_bucketed_for_onednn(onednn, monkeypatch):
+    """oneDNN keeps a primitive (and its scratchpad) per distinct row count: the padding-free rows go as one of a few
+    bucket sizes, the spare rows change nothing in the outputs (hidden states of every layer, pooler)."""
+    rows_seen = []
+    gemm = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, *args, **kw: rows_seen.append(x.shape[0]) or gemm(x, *args, **kw))
+    config = FAMILY_CONFIGS["bert"]
+    hf, fast = _pair(config)
+    input_ids, mask = _inputs(config)  # 4 x 9, right padding: 27 real tokens
+    with torch.inference_mode():
+        out = fast(input_ids, attention_mask=mask, output_hidden_states=True)
+        out_hf = hf(input_ids, attention_mask=mask, output_hidden_states=True)
+    tokens = int(mask.sum())
+    assert tokens % 16 and set(rows_seen) == {padding.bucket_rows(tokens)} == {32}
+    real = mask.bool()
+    for state, state_hf in zip(out.hidden_states, out_hf.hidden_states):
+        assert (state[~real] == 0).all()
+        torch.testing.assert_close(state[real], state_hf[real], rtol=0, atol=1e-4)
+    torch.testing.assert_close(out.pooler_output, out_hf.pooler_output, rtol=0, atol=1e-4)
+
+
+def test_bucket_sizes():
+    sizes = [padding.bucket_rows(tokens) for tokens in range(1, 8193)]
+    assert all(tokens <= rows <= tokens + max(15, tokens // 16) for tokens, rows in enumerate(sizes, 1))
+    assert all(rows % 16 == 0 for rows in sizes) and sizes == sorted(sizes)
+    assert len(set(sizes)) == 16 + 16 * 5  # multiples of 16 up to 256, then 16 sizes per octave up to 8192
 
 
 def test_mlm_transform_matches_hf(onednn):
