@@ -1,10 +1,11 @@
-"""The benchmark harness's own logic (benchmarks/bench.py, the package benchmarks/fastbench): padding, FLOPs,
-quantiles, CSV, markdown, output check, providers that cannot run, and tiny end-to-end runs of main() on CPU.
-Nothing here asserts on timings."""
+"""The benchmark harness's own logic (benchmarks/bench.py, the package benchmarks/fastbench): padding, varied shapes,
+FLOPs, quantiles, CSV, markdown, output check, the results folder, the verdict line, the plot, providers that cannot
+run, and tiny end-to-end runs of main() on CPU. Nothing here asserts on timings."""
 
 import csv
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,15 @@ BENCH_PATH = BENCH_DIR / "bench.py"
 sys.path.insert(0, str(BENCH_DIR))
 
 import fastbench as bench  # noqa: E402
+from fastbench import env, report  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def results_root(tmp_path, monkeypatch):
+    """Runs without --out write under benchmarks/results/: here, under a temporary folder instead."""
+    root = tmp_path / "default-results"
+    monkeypatch.setattr(report, "RESULTS_ROOT", str(root))
+    return root
 
 
 # --- FLOPs -----------------------------------------------------------------------------------------------------------
@@ -67,6 +77,28 @@ def test_lengths_are_seeded_and_vary():
     assert len(set(a[1:])) > 1  # a distribution, not one repeated length
     assert bench.make_lengths(1, 64, 0.5) == [64]
     assert bench.make_lengths(4, 64, 0.0) == [64] * 4
+
+
+def test_varied_shapes_are_new_every_call_and_seeded():
+    shapes = bench.varied_shapes(30, 8, 128, seed=0)
+    assert shapes == bench.varied_shapes(30, 8, 128, seed=0) and shapes != bench.varied_shapes(30, 8, 128, seed=1)
+    assert all(1 <= len(s) <= 8 and all(1 <= n <= 128 for n in s) for s in shapes)
+    # no two calls share a padded size (HF's GEMM rows) or a real-token count (fastbert's packed GEMM rows)
+    assert len({len(s) * max(s) for s in shapes}) == 30 and len({sum(s) for s in shapes}) == 30
+    with pytest.raises(ValueError, match="distinct shapes"):
+        bench.varied_shapes(5, 1, 3)  # only 3 padded sizes exist
+
+
+def test_varied_case_in_the_grid():
+    cases = bench.make_cases(["bert-base"], ["fp32"], [1, 4], [32], [0.0], varied=6, warm=2, log=lambda s: 0)
+    fixed, varied = cases[:-1], cases[-1]
+    assert not any(c.varied for c in fixed) and varied.varied
+    assert len(varied.warm_shapes) == 2 and len(varied.shapes) == 6 and (varied.batch, varied.seq_len) == (4, 32)
+    assert varied.real_tokens == sum(map(sum, varied.shapes)) and 0 <= varied.pad_ratio < 1
+    assert varied.length_dist == "varied:6 shapes b1-4 s1-32 seed0" and "varied" in varied.label
+    batches = bench.varied_inputs(varied, vocab_size=100, pad_token_id=0, seed=0, device=torch.device("cpu"))
+    assert [tuple(b["attention_mask"].sum(1).tolist()) for b in batches] == list(varied.warm_shapes + varied.shapes)
+    assert all(b["input_ids"].shape[1] == max(s) for b, s in zip(batches, varied.warm_shapes + varied.shapes))
 
 
 @pytest.mark.parametrize("bad", [(0, 8, 0.0), (4, 0, 0.0), (4, 8, 1.0), (4, 8, -0.1)])
@@ -122,8 +154,11 @@ def test_quick_preset_and_overrides():
     ns = bench.resolve(bench.build_parser().parse_args(["--quick", "--device", "cpu", "--batch", "4",
                                                         "--providers", "fastbert"]))
     assert ns.batch == [4] and ns.providers == ["hf-sdpa", "fastbert"]  # the baseline is always there
+    assert ns.varied_shapes > 0  # --quick's varied-shapes case stays unless turned off
+    ns = bench.resolve(bench.build_parser().parse_args(["--quick", "--device", "cpu", "--varied-shapes", "0"]))
+    assert ns.varied_shapes == 0
     ns = bench.resolve(bench.build_parser().parse_args(["--device", "cpu", "--compile"]))
-    assert "hf-compile" in ns.providers and ns.compile_mode == "default"
+    assert "hf-compile" in ns.providers and ns.compile_mode == "default" and ns.varied_shapes == 0
 
 
 def test_other_cpu_pct():
@@ -211,6 +246,83 @@ def test_markdown_rendering():
     assert "1.235" in table[2]
 
 
+# --- verdict ---------------------------------------------------------------------------------------------------------
+
+
+def _case_rows(batch, outcomes, **kw):
+    """One case's rows: {provider: real tokens/s, or the status of a provider that was not timed}."""
+    rows = []
+    for provider, outcome in outcomes.items():
+        if isinstance(outcome, str):
+            rows.append(_row(provider, batch=batch, status=outcome, median_ms=None, real_tokens_per_s=None,
+                             speedup_vs_hf_sdpa=None, **kw))
+        else:
+            rows.append(_row(provider, batch=batch, status="ok", real_tokens_per_s=outcome, **{"reps": 5, **kw}))
+    return rows
+
+
+def test_verdict_gives_ranges_slower_counts_and_the_check():
+    rows = (_case_rows(1, {"hf-sdpa": 100.0, "hf-eager": 90.0, "fastbert": 114.0, "ort": 200.0})
+            + _case_rows(2, {"hf-sdpa": 100.0, "hf-eager": 100.0, "fastbert": 339.0, "ort": 150.0})
+            + _case_rows(3, {"hf-sdpa": 100.0, "hf-eager": 95.0, "fastbert": 99.8, "ort": 50.0}))
+    # 0.998 is slower: three decimals, so that it does not read as 1.00x
+    assert bench.verdict(rows) == (
+        "verdict: fastbert vs hf-sdpa 0.998x-3.39x real tok/s, slower in 1 of 3 cases; vs hf-eager 1.05x-3.39x, "
+        "slower in 0 of 3; vs ort 0.57x-2.26x, slower in 1 of 3; outputs checked against HF")
+    # rows read back from results.csv (strings) give the same line
+    assert bench.verdict([{k: bench.fmt(v) for k, v in r.items()} for r in rows]) == bench.verdict(rows)
+
+
+def test_verdict_says_what_failed():
+    rows = (_case_rows(1, {"hf-sdpa": 100.0, "hf-eager": 90.0, "fastbert": 114.0})
+            + _case_rows(2, {"hf-sdpa": 100.0, "hf-eager": "error: RuntimeError: boom",
+                             "fastbert": "mismatch: max err 1.000e-02 > tol 1.000e-04 (abs vs hf-sdpa)"}))
+    line = bench.verdict(rows)
+    assert line.startswith("verdict: fastbert vs hf-sdpa 1.14x real tok/s, slower in 0 of 1 cases; ")
+    assert line.endswith("FAILED: hf-eager error in 1 case, fastbert output mismatch vs HF in 1 case (not timed; see "
+                         "the status column)")
+    assert "checked against HF" not in line
+    only_failed = _case_rows(1, {"hf-sdpa": 100.0, "fastbert": "mismatch: max err 1 > tol 0 (x)"})
+    assert bench.verdict(only_failed).startswith("verdict: fastbert was not timed in any case; FAILED: fastbert")
+    assert bench.verdict(_case_rows(1, {"hf-sdpa": 1.0})) == ("verdict: fastbert did not run (see the notes); no "
+                                                               "output checked (only hf-sdpa ran)")
+    assert bench.verdict([]) == "verdict: nothing was measured"
+
+
+def test_verdict_warns_about_noise_smoke_runs_and_memory_growth():
+    noisy = _case_rows(1, {"hf-sdpa": 100.0, "fastbert": 150.0}, other_cpu_pct=30.0)
+    assert "; 1 of 1 cases timed while other processes used > 5% of the CPU" in bench.verdict(noisy)
+    smoke = _case_rows(1, {"hf-sdpa": 100.0, "fastbert": 150.0}, reps=1)
+    assert bench.verdict(smoke).endswith("; 1 timed call(s) per provider: a smoke run, not a measurement")
+    varied = _case_rows(8, {"hf-sdpa": 100.0, "fastbert": 150.0}, length_dist="varied:20 shapes b1-8 s1-128 seed0",
+                        reps=20)
+    varied[0]["rss_growth_mb"], varied[1]["rss_growth_mb"] = 0.25, 3.5
+    assert "; RSS growth over 20 new shapes: fastbert +3.5 MB, hf-sdpa +0.2 MB; outputs" in bench.verdict(varied)
+
+
+# --- results folder, machine identity --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("AMD EPYC", "amd-epyc"), ("AMD EPYC 7763 64-Core Processor", "amd-epyc-7763"),
+    ("Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz", "intel-xeon-gold-6338"),
+    ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"),
+])
+def test_machine_names_for_results_folders(name, slug, monkeypatch):
+    monkeypatch.setattr(env, "device_name", lambda device: name)
+    monkeypatch.setattr(env, "cpu_cores", lambda: 2)
+    assert env.machine_slug(torch.device("cpu")) == f"cpu-{slug}-2core"
+    assert env.machine_slug(torch.device("cuda")) == f"cuda-{slug}"
+
+
+def test_cpu_identity_names_the_gemm_flags(monkeypatch):
+    monkeypatch.setattr(env, "cpu_info", lambda: ("Intel Xeon", ("fpu", "avx2", "avx512f", "amx_tile", "amx_bf16")))
+    monkeypatch.setattr(env, "cpu_cores", lambda: 4)
+    assert env.cpu_identity() == "Intel Xeon, 4 cores; avx2 avx512f amx_tile amx_bf16; no avx512_bf16, avx512_vnni"
+    monkeypatch.setattr(env, "cpu_info", lambda: ("AMD EPYC", ("avx2", "avx512f", "avx512_bf16", "avx512_vnni")))
+    assert env.cpu_identity() == "AMD EPYC, 4 cores; avx2 avx512f avx512_bf16 avx512_vnni; no amx"
+
+
 # --- end to end ------------------------------------------------------------------------------------------------------
 
 TINY = ["--device", "cpu", "--models", "bert-tiny", "--batch", "1,3", "--seq-len", "16", "--pad-ratio", "0,0.5",
@@ -247,6 +359,83 @@ def test_main_end_to_end(tmp_path, capsys):
                                   "--providers", "fastbert", "--out", str(out), "--append"]) == 0
     rows = bench.read_csv(out / "results.csv")
     assert len(rows) == 9 + 2 and rows[-1]["length_dist"] == "explicit:16/9/1" and rows[-1]["real_tokens"] == "26"
+
+
+def test_default_results_folder_is_named_for_the_machine_and_date(results_root, capsys):
+    assert bench.main(TINY) == 0
+    (folder,) = results_root.iterdir()
+    date = bench.read_csv(folder / "results.csv")[0]["date"]
+    assert folder.name == f"{bench.machine_slug(torch.device('cpu'))}-{date}"
+    assert re.fullmatch(r"cpu-[a-z0-9-]+-\d+core-\d{4}-\d{2}-\d{2}", folder.name)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("wrote ") and folder.name in line for line in printed)
+    # the last line is the verdict: fastbert and hf-eager against hf-sdpa over 3 cases, every output checked
+    last = printed[-1]
+    assert re.match(r"verdict: fastbert vs hf-sdpa [0-9.]+x(-[0-9.]+x)? real tok/s, slower in [0-3] of 3 cases; "
+                    r"vs hf-eager [0-9.]+x(-[0-9.]+x)?, slower in [0-3] of 3; outputs checked against HF", last), last
+    assert last.endswith("1 timed call(s) per provider: a smoke run, not a measurement")
+    # a second run never overwrites the first one: a new folder, suffixed
+    assert bench.main(TINY) == 0
+    assert sorted(p.name for p in results_root.iterdir()) == [folder.name, folder.name + "-2"]
+
+
+def test_out_is_respected_and_gets_the_plot_and_the_verdict(tmp_path, results_root, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "chosen"
+    assert bench.main(TINY + ["--out", str(out)]) == 0
+    assert not results_root.exists()  # nothing in the default place
+    assert sorted(p.name for p in out.iterdir()) == ["plot.png", "results.csv", "results.md"]
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    md = (out / "results.md").read_text()
+    assert f"- **verdict**: {last.removeprefix('verdict: ')}\n" in md
+    machine = next(line for line in md.splitlines() if line.startswith("- **machine**: "))
+    assert "cores" in machine and all(flag in machine for flag in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
+                                                                     "amx"))
+    # a later run into the same --out replaces it, and says so
+    assert bench.main(TINY + ["--out", str(out)]) == 0
+    assert "holds an earlier run's results: they will be replaced" in capsys.readouterr().out
+
+
+def record_shapes(monkeypatch, names):
+    """Wrap providers ``names`` to record the real lengths of every batch they are called with."""
+    seen = {name: [] for name in names}
+    for name in names:
+        real = bench.PROVIDERS[name]
+
+        def build(ms, opts, log, real=real, name=name):
+            forward = real.build(ms, opts, log)
+
+            def recorded(inputs):
+                seen[name].append(tuple(inputs["attention_mask"].sum(1).tolist()))
+                return forward(inputs)
+
+            return recorded
+
+        monkeypatch.setitem(bench.PROVIDERS, name, dataclasses.replace(real, build=build))
+    return seen
+
+
+def test_varied_shapes_case_end_to_end(tmp_path, monkeypatch, capsys):
+    seen = record_shapes(monkeypatch, ["hf-sdpa", "fastbert"])
+    out = tmp_path / "res"
+    args = TINY[:4] + ["--batch", "3", "--seq-len", "16", "--pad-ratio", "0", "--varied-shapes", "4", "--reps", "1",
+                       "--warmup", "0", "--no-progress", "--providers", "hf-sdpa,fastbert", "--out", str(out)]
+    assert bench.main(args) == 0
+    # every provider got the same batches; the varied case's (the check's, then 4 timed) are all new shapes
+    assert seen["hf-sdpa"] == seen["fastbert"]
+    varied_batches = seen["fastbert"][-5:]
+    assert len({sum(s) for s in varied_batches}) == 5 and len({len(s) * max(s) for s in varied_batches}) == 5
+    rows = bench.read_csv(out / "results.csv")
+    varied = [r for r in rows if r["length_dist"].startswith("varied:")]
+    assert [r["provider"] for r in varied] == ["hf-sdpa", "fastbert"]
+    assert all(r["reps"] == "4" and r["status"] == "ok" for r in varied)
+    assert int(varied[0]["real_tokens"]) == sum(sum(s) for s in varied_batches[1:])
+    assert float(varied[0]["speedup_vs_hf_sdpa"]) == 1.0
+    if bench.rss_mb() is not None:  # Linux
+        assert all(r["rss_growth_mb"] != "" for r in rows)
+    printed = capsys.readouterr().out
+    assert "4 timed calls of" in printed and "RSS growth over 4 new shapes: fastbert" in printed.splitlines()[-1]
 
 
 def test_minilm_is_skipped_with_a_note_without_its_package(monkeypatch, capsys):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import fastbench as bench  # noqa: E402
 from fastbench import providers, timing  # noqa: E402
 from fastbench.models import ModelSpec  # noqa: E402
-from test_bench_harness import break_fastbert  # noqa: E402
+from test_bench_harness import break_fastbert, results_root  # noqa: E402,F401  (results_root: autouse)
 
 TINY = ["--device", "cpu", "--models", "bert-tiny", "--batch", "3", "--seq-len", "16", "--pad-ratio", "0,0.5",
         "--reps", "1", "--warmup", "0", "--no-progress"]
@@ -105,7 +105,11 @@ def test_keep_going_records_a_mismatch_and_writes_each_case(tmp_path, monkeypatc
     assert len(bad) == 2 and all(r["status"].startswith("mismatch: max err") for r in bad)
     assert all(r["median_ms"] == "" and float(r["check_max_err"]) > float(r["check_tol"]) for r in bad)
     assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows if r["provider"] != "fastbert")
-    assert "mismatch" in (out / "results.md").read_text() and "FAILED fastbert" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mismatch" in (out / "results.md").read_text() and "FAILED fastbert" in printed
+    # the verdict, last, says what failed and claims no check
+    assert printed.strip().splitlines()[-1].startswith("verdict: fastbert was not timed in any case; FAILED: fastbert "
+                                                       "output mismatch vs HF in 2 cases (not timed")
     # --append keeps the earlier rows, still written case by case
     assert bench.main(args + ["--append"]) == 1
     assert len(bench.read_csv(out / "results.csv")) == 12

@@ -30,7 +30,7 @@ def test_gpu_check_dry_run_packs_every_step(tmp_path):
     for name in ("install", "info", "smoke", "tests", "profile", "sweep-s128", "sweep-s512"):
         assert any(line.split()[:2] == [name, "ok"] for line in summary.splitlines()), (name, summary[:3000])
     assert "kernels-f16  SKIPPED (dry run: needs CUDA)" in summary
-    assert "smoke: 8/8 checks passed" in summary
+    assert "smoke: 14/14 checks passed" in summary  # fp16, bf16 x (dense, packed, masked) x 2 fields + a graph
 
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
         names = set(tar.getnames())

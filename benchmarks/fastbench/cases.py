@@ -1,4 +1,4 @@
-"""What one benchmark case is: padding (real lengths per row), FLOPs, the case grid, and the inputs.
+"""What one benchmark case is: padding (real lengths per row) or varied shapes, FLOPs, the case grid, the inputs.
 
 Pure functions of their arguments (seeded), importable without running anything.
 """
@@ -19,6 +19,15 @@ LENGTH_DISTRIBUTION = (
     "round((1 - pad_ratio) * batch * seq_len) real tokens (clamped to what a full row 0 and rows of >= 1 token "
     "allow). Batch 1 therefore has no padding, and cases with batch 1 and pad_ratio > 0 are skipped as duplicates. "
     "--lengths L0,L1,... sets the real lengths explicitly instead (batch = their count, seq_len = their max)."
+)
+VARIED_DISTRIBUTION = (
+    "Varied shapes (--varied-shapes N): every call a new batch, as a server sees. Batch size uniform in [1, max "
+    "--batch], each row's real length uniform in [1, max --seq-len], right-padded to the batch's longest row (as a "
+    "tokenizer with padding=True pads), drawn with random.Random(--seed) and redrawn until no two batches of the case "
+    "(output check and warm-up included) have the same padded size (batch x seq_len) or the same real-token count: "
+    "every timed call brings a token count the case has not run before, padded (HF's GEMM rows) and packed "
+    "(fastbert's, before any rounding of row counts it does itself). Every provider gets the same sequence of "
+    "batches."
 )
 
 
@@ -46,6 +55,27 @@ def make_lengths(batch: int, seq_len: int, pad_ratio: float, seed: int = 0) -> l
             others[i] += step
             diff -= step
     return [seq_len] + others
+
+
+def varied_shapes(count: int, max_batch: int, max_len: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """``count`` batches of real lengths, each a new shape (see ``VARIED_DISTRIBUTION``)."""
+    if count < 1 or max_batch < 1 or max_len < 1:
+        raise ValueError(f"count, max_batch and max_len must be >= 1, got {count}, {max_batch}, {max_len}")
+    rng = random.Random(seed)
+    shapes: list[tuple[int, ...]] = []
+    padded_sizes, token_counts = set(), set()
+    for _ in range(1000 * count):  # rejection sampling: ample while count is well below max_batch * max_len
+        lengths = tuple(rng.randint(1, max_len) for _ in range(rng.randint(1, max_batch)))
+        padded, tokens = len(lengths) * max(lengths), sum(lengths)
+        if padded in padded_sizes or tokens in token_counts:
+            continue
+        shapes.append(lengths)
+        padded_sizes.add(padded)
+        token_counts.add(tokens)
+        if len(shapes) == count:
+            return shapes
+    raise ValueError(f"cannot draw {count} batches of distinct shapes with batch <= {max_batch} and lengths <= "
+                     f"{max_len}: ask for fewer varied shapes or allow larger batches or lengths")
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -85,22 +115,43 @@ def bert_flops(lengths: list[int], hidden_size: int, intermediate_size: int, num
 class Case:
     model: str
     dtype: str
-    batch: int
-    seq_len: int
-    lengths: tuple[int, ...]
-    length_dist: str  # "pad_ratio=0.5" or "explicit:256/200/..."
+    batch: int  # varied shapes: the largest batch drawn from
+    seq_len: int  # varied shapes: the longest row drawn
+    lengths: tuple[int, ...]  # varied shapes: ()
+    length_dist: str  # "pad_ratio=0.5", "explicit:256/200/..." or "varied:..."
+    warm_shapes: tuple[tuple[int, ...], ...] = ()  # varied shapes: the output check's and the warm-up's batches
+    shapes: tuple[tuple[int, ...], ...] = ()  # varied shapes: the real lengths of each timed call's batch
+
+    @property
+    def varied(self) -> bool:
+        return bool(self.shapes)
+
+    @property
+    def real_tokens(self) -> int:
+        """Real tokens of one call; varied shapes: of all the timed calls together."""
+        return sum(map(sum, self.shapes)) if self.varied else sum(self.lengths)
 
     @property
     def pad_ratio(self) -> float:
+        if self.varied:
+            return 1.0 - self.real_tokens / sum(len(s) * max(s) for s in self.shapes)
         return pad_fraction(list(self.lengths), self.seq_len)
 
     @property
     def label(self) -> str:
+        if self.varied:
+            return (f"{self.model} {self.dtype} varied: {len(self.shapes)} shapes, b1-{self.batch}, "
+                    f"s1-{self.seq_len}")
         return f"{self.model} {self.dtype} b{self.batch}x{self.seq_len} pad{self.pad_ratio:.2f}"
 
 
-def make_cases(models, dtypes, batches, seq_lens, pad_ratios, lengths=None, seed=0, log=print) -> list[Case]:
-    """Every (model, dtype, seq_len, batch, pad_ratio), model and dtype outermost (models are built once per pair)."""
+def make_cases(models, dtypes, batches, seq_lens, pad_ratios, lengths=None, seed=0, log=print, varied=0,
+               warm=1) -> list[Case]:
+    """Every (model, dtype, seq_len, batch, pad_ratio), model and dtype outermost (models are built once per pair).
+
+    ``varied`` > 0 adds, last for each model and dtype, a varied-shapes case of ``varied`` timed calls after ``warm``
+    untimed ones (the first of them is the output check), each a new shape (``VARIED_DISTRIBUTION``).
+    """
     cases = []
     for model in models:
         for dtype in dtypes:
@@ -108,26 +159,45 @@ def make_cases(models, dtypes, batches, seq_lens, pad_ratios, lengths=None, seed
                 for seq_len in seq_lens:
                     cases.append(Case(model, dtype, len(lengths), seq_len, tuple(lengths),
                                       "explicit:" + "/".join(map(str, lengths))))
-                continue
-            for seq_len in seq_lens:
-                for batch in batches:
-                    for pad in pad_ratios:
-                        if batch == 1 and pad > 0:
-                            log(f"note: skipping {model} {dtype} b1x{seq_len} pad_ratio={pad:g}: row 0 is always "
-                                "full length, so batch 1 has no padding (same as pad_ratio=0)")
-                            continue
-                        lens = make_lengths(batch, seq_len, pad, seed)
-                        cases.append(Case(model, dtype, batch, seq_len, tuple(lens), f"pad_ratio={pad:g}"))
+            else:
+                for seq_len in seq_lens:
+                    for batch in batches:
+                        for pad in pad_ratios:
+                            if batch == 1 and pad > 0:
+                                log(f"note: skipping {model} {dtype} b1x{seq_len} pad_ratio={pad:g}: row 0 is "
+                                    "always full length, so batch 1 has no padding (same as pad_ratio=0)")
+                                continue
+                            lens = make_lengths(batch, seq_len, pad, seed)
+                            cases.append(Case(model, dtype, batch, seq_len, tuple(lens), f"pad_ratio={pad:g}"))
+            if varied:
+                max_batch = len(lengths) if lengths is not None else max(batches)
+                drawn = varied_shapes(warm + varied, max_batch, max(seq_lens), seed)
+                cases.append(Case(model, dtype, max_batch, max(seq_lens), (),
+                                  f"varied:{varied} shapes b1-{max_batch} s1-{max(seq_lens)} seed{seed}",
+                                  tuple(drawn[:warm]), tuple(drawn[warm:])))
     return cases
 
 
-def make_inputs(case: Case, vocab_size: int, pad_token_id: int, seed: int, device: torch.device) -> dict:
-    """input_ids [B, S] and attention_mask [B, S], right-padded: random ids in [1, vocab) on real tokens (never the
-    pad id: RoBERTa-style models count positions on ``input_ids != pad_token_id``), pad_token_id on padding."""
+def batch_inputs(lengths, seq_len: int, vocab_size: int, pad_token_id: int, seed: int, device: torch.device) -> dict:
+    """input_ids [B, S] and attention_mask [B, S] for real ``lengths`` right-padded to ``seq_len``: random ids in
+    [1, vocab) on real tokens (never the pad id: RoBERTa-style models count positions on ``input_ids !=
+    pad_token_id``), pad_token_id on padding."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab_size, (case.batch, case.seq_len), generator=g)
+    ids = torch.randint(1, vocab_size, (len(lengths), seq_len), generator=g)
     if pad_token_id != 0:
         ids = ids.masked_fill(ids == pad_token_id, 0)
-    mask = (torch.arange(case.seq_len)[None, :] < torch.tensor(case.lengths)[:, None]).long()
+    mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).long()
     ids = ids.masked_fill(mask == 0, pad_token_id)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def make_inputs(case: Case, vocab_size: int, pad_token_id: int, seed: int, device: torch.device) -> dict:
+    """The inputs of a fixed-shape case (``batch_inputs`` of its lengths)."""
+    return batch_inputs(case.lengths, case.seq_len, vocab_size, pad_token_id, seed, device)
+
+
+def varied_inputs(case: Case, vocab_size: int, pad_token_id: int, seed: int, device: torch.device) -> list[dict]:
+    """The inputs of a varied-shapes case, one per batch (``warm_shapes``, then ``shapes``), each padded to its
+    longest row; the token ids seeded per batch."""
+    return [batch_inputs(s, max(s), vocab_size, pad_token_id, seed + i, device)
+            for i, s in enumerate(case.warm_shapes + case.shapes)]

@@ -7,15 +7,15 @@ import copy
 
 import torch
 
-from .cases import DTYPES, LENGTH_DISTRIBUTION, parse_lengths
+from .cases import DTYPES, LENGTH_DISTRIBUTION, VARIED_DISTRIBUTION, parse_lengths
 from .check import ATOL, FP32_ATOL
 from .models import MODELS
 from .providers import BASELINE, PROVIDERS, provider_missing
 
 QUICK = dict(models="bert-base,minilm", dtype="fp32", batch="1,8", seq_len="128", pad_ratio="0,0.5",
-             providers="hf-eager,hf-sdpa,fastbert,ort", reps=5, warmup=1)
+             providers="hf-eager,hf-sdpa,fastbert,ort", reps=5, warmup=1, varied_shapes=20)
 DEFAULTS = dict(models="bert-base,bert-large,minilm", batch="1,8,32", seq_len="128,512", pad_ratio="0,0.5",
-                reps=None, warmup=2)
+                reps=None, warmup=2, varied_shapes=0)
 
 
 def _csv_list(text: str) -> list[str]:
@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     epilog = (
         f"providers:\n{providers}\n\nmodels:\n{models}\n\n"
         f"padding (pad_ratio):\n  {LENGTH_DISTRIBUTION}\n\n"
+        f"varied shapes:\n  {VARIED_DISTRIBUTION} Timed with time.perf_counter per call (synchronized on a GPU); "
+        "rss_growth_mb: what the process's resident memory gained during each provider's timed calls.\n\n"
         f"output check: before timing, every provider's last_hidden_state must match {BASELINE} on real tokens: "
         f"fp32 max abs diff <= {FP32_ATOL:g}, else (and for fp16/bf16) max|out-ref| <= 2*max|hf-ref| + atol "
         f"(atol {ATOL}) with ref = HF in fp64 (fp32 runs) or fp32 (fp16/bf16 runs); a mismatch exits non-zero "
@@ -40,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--reps rounds, plus host_ms (CPU-side time of one forward); providers interleaved round-robin in one "
         "process.\n\n"
         f"--quick = --models {QUICK['models']} --dtype fp32 --batch 1,8 --seq-len 128 --pad-ratio 0,0.5 "
-        f"--providers {QUICK['providers']} --reps 5 --warmup 1 (explicit flags override; providers that do not run "
-        "on the device are dropped with a note).\n\n"
+        f"--providers {QUICK['providers']} --reps 5 --warmup 1 --varied-shapes {QUICK['varied_shapes']} (explicit "
+        "flags override; providers that do not run on the device are dropped with a note).\n\n"
+        "output: results.csv, results.md and plot.png in --out, by default a new folder "
+        "benchmarks/results/<machine>-<UTC date>/ (e.g. cpu-amd-epyc-2core-2026-11-24; -2, -3, ... when it exists); "
+        "the last line printed is the verdict: fastbert's real tok/s ratio to each other provider (range over the "
+        "cases, cases where it was slower) and whether every output matched HF.\n\n"
         "acceptance cases (see benchmarks/README.md):\n"
         "  --device cpu --models bert-base --dtype fp32 --batch 8 --seq-len 128 --pad-ratio 0 --providers "
         "hf-sdpa,fastbert\n"
@@ -67,11 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, help="CPU: timed calls per provider (default 10); GPU: do_bench rounds "
                    "(default 5)")
     p.add_argument("--warmup", type=int, help=f"untimed calls per provider first (default {DEFAULTS['warmup']})")
+    p.add_argument("--varied-shapes", type=int, metavar="N",
+                   help="add a varied-shapes case per model and dtype: N timed calls, each a new batch shape drawn "
+                   "with batch <= max --batch and lengths <= max --seq-len (see below; default 0 = none, --quick "
+                   f"{QUICK['varied_shapes']})")
     p.add_argument("--gpu-rep-ms", type=int, default=100, help="do_bench window per round, ms (default 100)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="weights, token ids and lengths (default 0)")
-    p.add_argument("--out", help="directory for results.csv, results.md, plot.png")
-    p.add_argument("--append", action="store_true", help="add to the rows already in --out/results.csv")
+    p.add_argument("--out", help="directory for results.csv, results.md, plot.png (default: a new folder "
+                   "benchmarks/results/<machine>-<UTC date>/, suffixed -2, -3, ... when that exists)")
+    p.add_argument("--append", action="store_true", help="add to the rows already in --out/results.csv (needs --out)")
     p.add_argument("--keep-going", action="store_true",
                    help="record an output mismatch or a provider error in the status column and go on (exit status "
                    "1 at the end); with --out, results.csv gets each case's rows as soon as the case completes")
@@ -133,6 +144,9 @@ def resolve(ns: argparse.Namespace, log=print) -> argparse.Namespace:
         o.batch = [int(v) for v in _csv_list(pick("batch"))]
         o.seq_len = [int(v) for v in _csv_list(pick("seq_len"))]
         o.pad_ratio = [float(v) for v in _csv_list(pick("pad_ratio"))]
+    o.varied_shapes = pick("varied_shapes") or 0
+    if o.varied_shapes < 0:
+        raise SystemExit(f"--varied-shapes must be >= 0, got {o.varied_shapes}")
     o.reps = pick("reps") or (5 if o.device == "cuda" else 10)
     o.warmup = pick("warmup") if pick("warmup") is not None else 2
     if o.reps < 1 or o.warmup < 0:

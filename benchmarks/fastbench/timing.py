@@ -1,7 +1,10 @@
 """How a forward is timed, and what else is measured around it.
 
-CPU: time.perf_counter around one call. GPU: triton.testing.do_bench (L2 flushed before every call). Providers are
-interleaved round-robin, the order rotated every round, so a machine that slows down slows every provider alike.
+CPU: time.perf_counter around one call. GPU: triton.testing.do_bench (L2 flushed before every call). Varied shapes
+(either device): time.perf_counter around one call of a new shape, synchronized on a GPU. Providers are interleaved
+round-robin, the order rotated every round, so a machine that slows down slows every provider alike. Around each
+timed call (or do_bench window) the process's resident memory is read, and its change added to that provider's
+``rss_growth`` (outside the timed region).
 """
 
 from __future__ import annotations
@@ -50,27 +53,100 @@ def warm_up(fns: dict[str, Call], calls: int, already: tuple[str, ...] = ()) -> 
                 fn()
 
 
-def time_cpu(fns: dict[str, Call], reps: int) -> dict[str, list[float]]:
-    """ms per call with time.perf_counter: ``reps`` rounds of one call per provider, the order rotated every round."""
+def warm_up_varied(fns: dict[str, Callable[[dict], object]], batches: list[dict], already: tuple[str, ...] = ()
+                   ) -> None:
+    """One untimed call per provider on each of ``batches`` (a varied-shapes case's check and warm-up batches; those
+    in ``already`` ran the first one in the output check)."""
+    for i, inputs in enumerate(batches):
+        for name, fn in fns.items():
+            if i > 0 or name not in already:
+                fn(inputs)
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory, MB (Linux /proc/self/statm), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class RssGrowth:
+    """Per provider, the sum of the changes of the process's RSS across its timed calls, MB (None off Linux).
+
+    Calls run one at a time in this thread, so what the resident memory gains during a call (its output already
+    dropped) is that provider's: caches that grow with every new shape show here."""
+
+    def __init__(self, names):
+        self.mb: dict[str, float | None] = {name: 0.0 for name in names}
+
+    def around(self, name: str, run: Callable[[], float]) -> float:
+        """``run()`` (which returns its time), with the RSS read before and after it."""
+        before = rss_mb()
+        elapsed = run()
+        after = rss_mb()
+        if before is None or after is None:
+            self.mb[name] = None
+        elif self.mb[name] is not None:
+            self.mb[name] += after - before
+        return elapsed
+
+
+def _timed(fn: Call, sync: Callable[[], None] = lambda: None) -> float:
+    """ms of one call of ``fn``, its output dropped before returning (``sync``: wait for the device before and
+    after)."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    elapsed = (time.perf_counter() - t0) * 1e3
+    del out
+    return elapsed
+
+
+def time_cpu(fns: dict[str, Call], reps: int) -> tuple[dict[str, list[float]], RssGrowth]:
+    """ms per call with time.perf_counter: ``reps`` rounds of one call per provider, the order rotated every round;
+    and each provider's RSS growth over its calls."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    rss = RssGrowth(fns)
     for order in _rotations(list(fns), reps):
         for name in order:
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return times
+            times[name].append(rss.around(name, lambda: _timed(fns[name])))
+    return times, rss
 
 
-def time_gpu(fns: dict[str, Call], reps: int, rep_ms: int) -> dict[str, list[float]]:
+def time_gpu(fns: dict[str, Call], reps: int, rep_ms: int) -> tuple[dict[str, list[float]], RssGrowth]:
     """ms per call from triton.testing.do_bench (L2 flushed before every call), return_mode='all': ``reps`` rounds,
-    each one do_bench window of ``rep_ms`` per provider, the order rotated every round; samples pooled."""
+    each one do_bench window of ``rep_ms`` per provider, the order rotated every round; samples pooled. And each
+    provider's RSS growth over its windows."""
     from triton.testing import do_bench
 
     times: dict[str, list[float]] = {name: [] for name in fns}
+    rss = RssGrowth(fns)
+
+    def window(name):
+        times[name] += list(do_bench(fns[name], warmup=10, rep=rep_ms, return_mode="all"))
+        return 0.0
+
     for order in _rotations(list(fns), reps):
         for name in order:
-            times[name] += list(do_bench(fns[name], warmup=10, rep=rep_ms, return_mode="all"))
-    return times
+            rss.around(name, lambda: window(name))
+    return times, rss
+
+
+def time_varied(fns: dict[str, Callable[[dict], object]], batches: list[dict], device: torch.device
+                ) -> tuple[dict[str, list[float]], RssGrowth]:
+    """ms of each call with time.perf_counter (synchronized before and after on a GPU: a new shape's whole cost,
+    host and device), round r giving every provider ``batches[r]``, the order rotated every round; and each
+    provider's RSS growth over its calls."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    rss = RssGrowth(fns)
+    for inputs, order in zip(batches, _rotations(list(fns), len(batches))):
+        for name in order:
+            times[name].append(rss.around(name, lambda: _timed(lambda: fns[name](inputs), sync)))
+    return times, rss
 
 
 def host_time_ms(fn: Call, calls: int = 20) -> float:
