@@ -125,7 +125,8 @@ class FusedModel(layers.Fused):
         graph_safe: never read device data (no range check, no packing: the padded batch runs dense with its mask),
         as a CUDA graph capture requires; also whenever a capture is under way."""
         if len(args) > len(self._hf_parameters):
-            raise TypeError(f"forward() takes {len(self._hf_parameters)} positional arguments but {len(args)} were given")
+            raise TypeError(f"forward() takes {len(self._hf_parameters)} positional arguments but {len(args)} "
+                            "were given")
         for name, value in zip(self._hf_parameters, args):
             if name in kwargs:
                 raise TypeError(f"forward() got multiple values for argument {name!r}")
@@ -137,7 +138,8 @@ class FusedModel(layers.Fused):
             why = self._why_transformers(kwargs)
             if why is None:
                 return self._fused_forward(kwargs, graph_safe)
-        announce.fallback(f"{why} is not accelerated: transformers' {self.hf_class.__name__}.forward runs for this call")
+        announce.fallback(f"{why} is not accelerated: transformers' {self.hf_class.__name__}.forward runs for this "
+                          "call")
         return super(FusedModel, self).forward(**kwargs)
 
     def _fused_forward(self, kwargs: dict, graph_safe: bool):

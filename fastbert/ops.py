@@ -186,7 +186,8 @@ def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
     why = _why_reference(word, position, token_type, ln.weight, ln.bias, inputs_embeds, dropout_p=p)
     if inputs_embeds is not None:
         why = why or "inputs_embeds replaces the fused word-embedding lookup"
-    tables = dict(word_embeddings=(word_embeddings, nn.Embedding), position_embeddings=(position_embeddings, nn.Embedding),
+    tables = dict(word_embeddings=(word_embeddings, nn.Embedding),
+                  position_embeddings=(position_embeddings, nn.Embedding),
                   LayerNorm=(ln, nn.LayerNorm))
     if token_type_embeddings is not None:
         tables["token_type_embeddings"] = (token_type_embeddings, nn.Embedding)

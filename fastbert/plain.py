@@ -36,7 +36,8 @@ def has_hooks(module: nn.Module) -> bool:
         or module._backward_hooks
         or module._backward_pre_hooks
         or "forward" in module.__dict__
-        or any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE_HOOKS for hook in module._forward_hooks.values())
+        or any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE_HOOKS
+               for hook in module._forward_hooks.values())
     )
 
 

@@ -75,7 +75,8 @@ def for_model(model, device: torch.device, dtype: torch.dtype, inputs_require_gr
     settings = dispatch.settings()
     key = (
         structure(model), device, dtype, torch.is_grad_enabled(), inputs_require_grad,
-        device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type), settings, torch.backends.mkldnn.enabled, plain.global_hooks(),
+        device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type),
+        settings, torch.backends.mkldnn.enabled, plain.global_hooks(),
         _conversions,
     )
     last = model.__dict__.get("_fastbert_plan")
@@ -91,18 +92,20 @@ def structure(model) -> tuple:
     so no module id in a plan is reused while it lives; parameters by id, class and ``requires_grad``)."""
     entries = []
     stack = [model]
-    while stack:
+    while stack:  # (runs before every forward: lists built in one go, no generators)
         m = stack.pop()
         d = m.__dict__
         children = tuple(d["_modules"].values())
         params = d["_parameters"]
-        hooks = (d["_forward_hooks"], d["_forward_pre_hooks"], d["_backward_hooks"], d["_backward_pre_hooks"])
+        hooks = d["_forward_hooks"], d["_forward_pre_hooks"], d["_backward_hooks"], d["_backward_pre_hooks"]
         entries.append((
             m, type(m), d["training"], d.get("p"), "forward" in d, children,
-            tuple(tuple(h) for h in hooks) if any(hooks) else None,
-            tuple(None if p is None else (id(p), type(p), p.requires_grad) for p in params.values()) if params else None,
+            tuple([tuple(h) for h in hooks]) if hooks[0] or hooks[1] or hooks[2] or hooks[3] else None,
+            tuple([None if p is None else (id(p), type(p), p.requires_grad) for p in params.values()]) if params
+            else None,
         ))
-        stack.extend(c for c in children if c is not None)
+        if children:
+            stack.extend([c for c in children if c is not None])
     return tuple(entries)
 
 

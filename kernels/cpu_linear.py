@@ -13,6 +13,7 @@ Numerics: fp32 accumulation in both; the epilogue applies to the fp32 accumulato
 bf16 the bias, residual and activation see one rounding fewer than ``F.linear`` followed by torch ops.
 """
 
+import functools
 import statistics
 import time
 
@@ -49,7 +50,26 @@ def unavailable_reasons(dtype: torch.dtype) -> list[str]:
         reasons.append("oneDNN's bf16 linear needs AVX-512 (BW/VL/DQ) or AMX, which this CPU lacks")
     if dtype not in DTYPES:
         reasons.append(f"oneDNN linear runs float32/bfloat16 here, not {dtype}")
+    if not reasons:
+        failure = _trial_failure(dtype)
+        if failure:
+            reasons.append(f"oneDNN's {dtype} linear fails on this CPU and torch build: {failure}")
     return reasons
+
+
+@functools.cache
+def _trial_failure(dtype: torch.dtype) -> str | None:
+    """The error of one tiny packed GEMM with each epilogue in ``dtype``, or None when it runs: the capability
+    queries are not the whole story (seen: a torch build whose bf16 query says yes and whose linear then raises "bf16
+    path needs avx_ne_convert or avx512bw")."""
+    try:
+        x, weight = torch.ones(3, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype)
+        packed = pack(weight)
+        linear(x, packed, torch.zeros(8, dtype=dtype), "gelu")
+        linear(x, packed, None, residual=torch.zeros(3, 8, dtype=dtype))
+    except RuntimeError as error:
+        return str(error).strip().splitlines()[0]
+    return None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

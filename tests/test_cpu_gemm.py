@@ -106,7 +106,8 @@ def test_token_rows_are_bucketed_for_onednn(onednn, monkeypatch):
     bucket sizes, the spare rows change nothing in the outputs (hidden states of every layer, pooler)."""
     rows_seen = []
     gemm = cpu_linear.linear
-    monkeypatch.setattr(cpu_linear, "linear", lambda x, *args, **kw: rows_seen.append(x.shape[0]) or gemm(x, *args, **kw))
+    monkeypatch.setattr(cpu_linear, "linear",
+                        lambda x, *args, **kw: rows_seen.append(x.shape[0]) or gemm(x, *args, **kw))
     config = FAMILY_CONFIGS["bert"]
     hf, fast = _pair(config)
     input_ids, mask = _inputs(config)  # 4 x 9, right padding: 27 real tokens
