@@ -160,6 +160,17 @@ def choose(op: str, tensor: torch.Tensor, needs_reference: str | None = None) ->
     return backend
 
 
+def why_reference(*tensors, dropout_p: float = 0.0) -> str | None:
+    """Why a call on ``tensors`` must run the torch reference ops instead of a fused kernel, or None."""
+    # (isinstance: a quantized module's ``weight`` is a method, an offloaded one's may be missing)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        return ("gradients are required and the fused kernels are forward-only (same math, differentiable); "
+                "for inference wrap the call in torch.inference_mode()")
+    if dropout_p > 0:
+        return "dropout is active (train mode)"
+    return None
+
+
 def resolve(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> tuple[str, str | None]:
     """``choose``'s answer without announcing: (backend, the fallback to announce on each call that runs it, or
     None). For callers that keep the decision and announce when they run it (``ops.py``)."""
@@ -239,3 +250,4 @@ def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], di
         backends[op] = chosen
         reasons[op] = [f"{b}: {'; '.join(options[b])}" for b in order[: order.index(chosen)]]
     return backends, reasons
+

@@ -19,25 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _extension, announce, derived, dispatch
+from .attention import attention  # noqa: F401  (the attention op, in a module of its own)
 from .kernels import activation as activation_kernels
-from .kernels import attention as attention_kernels
 from .kernels import cpu_linear
 from .kernels import embedding as embedding_kernels
 from .kernels import layer_norm as layer_norm_kernels
-from .padding import TokenLayout
 from .plain import has_hooks, is_plain
 from .plan import decided
-
-
-def _why_reference(*tensors, dropout_p: float = 0.0) -> str | None:
-    """Why a call on ``tensors`` must run the torch reference ops instead of a fused kernel, or None."""
-    # (isinstance: a quantized module's ``weight`` is a method, an offloaded one's may be missing)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-        return ("gradients are required and the fused kernels are forward-only (same math, differentiable); "
-                "for inference wrap the call in torch.inference_mode()")
-    if dropout_p > 0:
-        return "dropout is active (train mode)"
-    return None
 
 
 def _resolve(op: str, tensor: torch.Tensor, why: str | None) -> tuple[str, str | None]:
@@ -108,7 +96,7 @@ def linear(x: torch.Tensor, dense: nn.Module) -> torch.Tensor:
 def _how_linear(x: torch.Tensor, dense: nn.Module):
     if not is_plain(dense, nn.Linear, x.device):
         return dense
-    gemm = _onednn_gemm(x, dense, _why_reference(x, dense.weight, dense.bias))
+    gemm = _onednn_gemm(x, dense, dispatch.why_reference(x, dense.weight, dense.bias))
     if gemm is not None:
         return gemm
     return lambda x: F.linear(x, dense.weight, dense.bias)
@@ -183,7 +171,7 @@ def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
     token_type = None if token_type_embeddings is None else token_type_embeddings.weight
     ln = embeddings.LayerNorm
     p = embeddings.dropout.p if embeddings.training else 0.0
-    why = _why_reference(word, position, token_type, ln.weight, ln.bias, inputs_embeds, dropout_p=p)
+    why = dispatch.why_reference(word, position, token_type, ln.weight, ln.bias, inputs_embeds, dropout_p=p)
     if inputs_embeds is not None:
         why = why or "inputs_embeds replaces the fused word-embedding lookup"
     tables = dict(word_embeddings=(word_embeddings, nn.Embedding),
@@ -259,7 +247,7 @@ def _how_qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: t
             return F.linear(x, torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]))
 
         return run
-    if x.device.type == "cpu" and _onednn_applies(x, params(), _why_reference(x)):  # (gradients may reach x)
+    if x.device.type == "cpu" and _onednn_applies(x, params(), dispatch.why_reference(x)):  # (gradients may reach x)
         def run(x):
             weight, bias = derived.cached(query, "qkv_onednn", params(), _stack_and_pack_qkv)
             return cpu_linear.linear(x, weight, bias)
@@ -282,86 +270,6 @@ def _stack_and_pack_qkv(*params) -> tuple[torch.Tensor, torch.Tensor]:
     return cpu_linear.pack(weight), bias
 
 
-def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v per head, over each sequence's real tokens.
-
-    qkv: [rows, 3 * hidden] straight from the fused QKV GEMM -> [rows, hidden] (rows: the layout's tokens, then its
-    spare rows, which come out zero).
-    """
-    tokens, hidden = layout.tokens, qkv.shape[1] // 3
-    head_dim = hidden // num_heads
-    # (the same decision for every layer with the same arguments)
-    backend, warning = decided(None, ("attention", qkv.requires_grad, dropout_p, head_dim), _attention_backend,
-                               qkv, dropout_p, head_dim)
-    if warning is not None:
-        announce.fallback(warning)
-    real = qkv[:tokens] if layout.spare_rows else qkv
-    out = _attention(real.view(tokens, 3, num_heads, head_dim), layout, dropout_p, backend)
-    out = out.reshape(tokens, hidden)  # (SDPA's math backend, for dropout and float64, returns [B, H, S, D] memory)
-    return torch.cat([out, out.new_zeros(layout.spare_rows, hidden)]) if layout.spare_rows else out
-
-
-def _attention(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, backend: str) -> torch.Tensor:
-    """heads [N, 3, H, D] -> [N, H, D] (or [B, S, H, D]) by ``backend``, for the layout."""
-    if backend == "triton":
-        if layout.packed:
-            return attention_kernels.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen)
-        padded = heads.view(layout.batch, layout.seq_len, *heads.shape[1:])
-        return attention_kernels.attention(padded, layout.key_padding_mask, layout.key_bounds)
-    if layout.packed:
-        if heads.device.type == "cuda":  # (a loop of small SDPA calls would be host-bound on a GPU)
-            return _attention_packed_via_padded_sdpa(heads, layout, dropout_p)
-        return _attention_varlen_sdpa(heads, layout.seqlens, dropout_p)
-    return _attention_sdpa(heads, layout, dropout_p)
-
-
-def _attention_backend(qkv: torch.Tensor, dropout_p: float, head_dim: int) -> tuple[str, str | None]:
-    why = _why_reference(qkv, dropout_p=dropout_p)
-    if head_dim > attention_kernels.MAX_HEAD_DIM:
-        # The Triton kernel refuses D > MAX_HEAD_DIM (ValueError): such a model must take SDPA on a GPU, not crash.
-        why = why or f"head_dim {head_dim} exceeds the Triton attention kernel's {attention_kernels.MAX_HEAD_DIM}"
-    return _resolve("attention", qkv, why)
-
-
-def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float) -> torch.Tensor:
-    """Dense layout through torch SDPA. heads: [B*S, 3, H, D] -> [B, S, H, D]."""
-    q, k, v = heads.view(layout.batch, layout.seq_len, *heads.shape[1:]).permute(2, 0, 3, 1, 4)  # [B, H, S, D] each
-    mask, keys = None, layout.key_mask()
-    if keys is not None:
-        # Additive mask with the dtype's most negative finite value (as HF does): a fully padded row then averages
-        # its values instead of producing NaN, and cannot poison other rows.
-        mask = torch.zeros(keys.shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~keys, torch.finfo(q.dtype).min)
-        mask = mask[:, None, None, :]  # [B, 1, 1, S]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # [B, H, S, D]
-    return out.transpose(1, 2)
-
-
-def _attention_varlen_sdpa(heads: torch.Tensor, seqlens: tuple[int, ...], dropout_p: float) -> torch.Tensor:
-    """Packed layout on CPU: SDPA on each sequence's rows (views, no padding back to the max).
-
-    heads: [T, 3, H, D] -> [T, H, D]. One SDPA per sequence: on CPU each call is large enough that the loop costs
-    little, and no FLOP is spent on padding.
-    """
-    outputs = []
-    for chunk in heads.split(list(seqlens)):
-        q, k, v = chunk.permute(1, 2, 0, 3)[:, None]  # [1, H, L, D] each
-        outputs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)[0].transpose(0, 1))
-    return torch.cat(outputs) if outputs else heads.new_empty(0, *heads.shape[2:])
-
-
-def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float) -> torch.Tensor:
-    """Packed layout through one masked SDPA over the padded batch (GPU training, or a head dim the Triton kernel
-    does not take): heads [T, 3, H, D] -> [T, H, D]. Differentiable: the scatter into the padded buffer and the gather
-    back are index ops; every other op of the layer still runs on the T real tokens only."""
-    batch, seq_len = layout.batch, layout.seq_len
-    padded = heads.new_zeros(batch * seq_len, *heads.shape[1:]).index_copy(0, layout.indices, heads)
-    real = torch.zeros(batch * seq_len, dtype=torch.bool, device=heads.device).index_fill_(0, layout.indices, True)
-    dense = TokenLayout(batch, seq_len, key_padding_mask=real.view(batch, seq_len))
-    out = _attention_sdpa(padded, dense, dropout_p)  # [B, S, H, D]
-    return out.reshape(batch * seq_len, *out.shape[2:]).index_select(0, layout.indices)
-
-
 # --- dense + residual + LayerNorm, dense + activation -------------------------------------------------------------
 
 
@@ -377,8 +285,8 @@ def dense_residual_layer_norm(
 
 def _how_dense_residual_layer_norm(x, residual, dense, dropout, layer_norm):
     p = dropout.p if dropout is not None and dropout.training else 0.0
-    why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None), residual, dropout_p=p)
-    why = why_gemm or _why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
+    why_gemm = dispatch.why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None), residual, dropout_p=p)
+    why = why_gemm or dispatch.why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     backend, warning = _resolve("layer_norm", x, why)
     if backend == "triton":
@@ -405,7 +313,7 @@ def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Ten
 
 def _how_dense_act(x, dense, act_fn):
     activation = fused_activation(act_fn)
-    why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
+    why_gemm = dispatch.why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
     why = why_gemm or _why_no_kernel(act_fn, activation)
     backend, warning = _resolve("bias_act", x, why)
     if backend == "triton":
@@ -432,8 +340,8 @@ def dense_act_layer_norm(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module, l
 
 def _how_dense_act_layer_norm(x, dense, act_fn, layer_norm):
     activation = fused_activation(act_fn)
-    why_gemm = _why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
-    why = why_gemm or _why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
+    why_gemm = dispatch.why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
+    why = why_gemm or dispatch.why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
     why = why or _why_no_kernel(act_fn, activation)
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     backend, warning = _resolve("act_layer_norm", x, why)

@@ -411,17 +411,17 @@ def test_backend_invalid_value_raises(bert_trio, fastbert_env):
 def test_packed_attention_via_padded_sdpa_matches_the_loop():
     """GPU training's packed attention (one masked SDPA over the padded batch) gives the CPU loop's outputs and
     gradients, on a mask with left/right padding, holes and a fully padded row."""
-    from fastbert import ops, padding
+    from fastbert import attention, padding
 
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 0, 1, 0, 1], [0, 0, 0, 0, 0]])
     layout = padding.unpadded_layout(mask)
     heads = torch.randn(layout.indices.numel(), 3, 2, 8, dtype=torch.float64, requires_grad=True)
     weights = torch.randn(layout.indices.numel(), 2, 8, dtype=torch.float64)
     results = []
-    for attention in (lambda: ops._attention_packed_via_padded_sdpa(heads, layout, 0.0),
-                      lambda: ops._attention_varlen_sdpa(heads, layout.seqlens, 0.0)):
+    for run in (lambda: attention._attention_packed_via_padded_sdpa(heads, layout, 0.0),
+                lambda: attention._attention_varlen_sdpa(heads, layout.seqlens, 0.0)):
         heads.grad = None
-        out = attention()
+        out = run()
         (out * weights).sum().backward()
         results.append((out.detach(), heads.grad.clone()))
     (out, grad), (out_loop, grad_loop) = results

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import ops, padding
+from fastbert import attention, padding
 
 # Configurations named by what they exercise: head dims 16, 26 (hidden 312, not a multiple of 64) and 64, and the
 # three activations BERT checkpoints use.
@@ -259,15 +259,15 @@ def test_right_padded_host_mask_goes_as_bounds_only():
     holes = mixed_mask(4, 7)
     assert padding.bounds_only(padding.dense_layout(4, 7, holes)).key_padding_mask is not None
     heads = torch.randn(3 * 7, 3, 2, 8)
-    with_mask = ops._attention_sdpa(heads, padding.dense_layout(3, 7, right), 0.0)
-    torch.testing.assert_close(ops._attention_sdpa(heads, layout, 0.0), with_mask, rtol=0, atol=0)
+    with_mask = attention._attention_sdpa(heads, padding.dense_layout(3, 7, right), 0.0)
+    torch.testing.assert_close(attention._attention_sdpa(heads, layout, 0.0), with_mask, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The Triton path on CPU, through Triton's interpreter
 # ---------------------------------------------------------------------------------------------------------------
 
-# (module of fastbert.kernels, entry point ops.py launches)
+# (module of fastbert.kernels, entry point that fastbert launches)
 TRITON_ENTRY_POINTS = [
     ("attention", "attention"),
     ("attention", "attention_varlen"),
