@@ -2,7 +2,7 @@
 
     from fastbert import BertModel          # instead of: from transformers import BertModel
                                             # (also RobertaModel, XLMRobertaModel, CamembertModel, ElectraModel,
-                                            #  DistilBertModel)
+                                            #  DistilBertModel, GteModel)
     fastbert.optimize(hf_model)             # or swap the encoders inside an existing HF model, in place
     fastbert.AutoModelForSequenceClassification.from_pretrained(path)   # transformers' Auto classes, accelerated
     fastbert.cuda_graphs(model)             # GPU: replay the encoder from CUDA graphs, one per shape bucket
@@ -29,6 +29,7 @@ from .models import (  # noqa: E402
     CamembertModel,
     DistilBertModel,
     ElectraModel,
+    GteModel,
     RobertaModel,
     XLMRobertaModel,
 )
@@ -36,7 +37,7 @@ from .optimize import optimize  # noqa: E402
 from .validation import set_input_checks  # noqa: E402
 
 __all__ = [
-    "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel",
+    "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel", "GteModel",
     "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
     "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
     "optimize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",

@@ -24,7 +24,7 @@ import torch
 from . import _extension, announce, cpu
 from .kernels import cpu_linear
 
-OPS = ("embedding", "attention", "layer_norm", "bias_act", "act_layer_norm", "gemm")
+OPS = ("embedding", "attention", "rotary", "layer_norm", "bias_act", "glu", "act_layer_norm", "gemm")
 ENV_BACKEND = "FASTBERT_BACKEND"
 ENV_CPU_GEMM = "FASTBERT_CPU_GEMM"
 # Dtypes the C++ CPU embedding kernel was written for; fp16 on CPU has no fast path in torch either.

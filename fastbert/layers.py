@@ -94,19 +94,25 @@ class FusedEncoder(Fused):
     bypassed = ("layer",)
 
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout, keep: set[int] | None):
-        """x [N, hidden] -> (last [N, hidden], [B, S, hidden] inputs of the layers whose index is in ``keep``).
+        return run_layers(self, self.layer, x, layout, keep)
 
-        ``keep``: layer indices (0 = the embeddings) whose input to return, None for none; the list has one entry
-        per layer, None where not kept. A kept state is the tensor the layer reads (through a view or a gather), so
-        gradients reach it as in HF.
-        """
-        states = []
-        for i, layer in enumerate(self.layer):
-            if keep is not None:
-                states.append(padding.unpack(x, layout) if i in keep else None)  # [B, S, hidden]
-                x = x if states[-1] is None else padding.pack(states[-1], layout)
-            x = _checkpointed(self, layer)(x, layout)
-        return x, states
+
+def run_layers(owner: nn.Module, layers, x: torch.Tensor, layout: padding.TokenLayout, keep: set[int] | None):
+    """x [N, hidden] through each of ``layers`` (``fused(x, layout)``) -> (last [N, hidden], [B, S, hidden] inputs of
+    the layers whose index is in ``keep``). ``owner``: the module holding the layers (the encoder, or the model where
+    the layers sit on it directly), whose gradient checkpointing flag applies.
+
+    ``keep``: layer indices (0 = the embeddings) whose input to return, None for none; the list has one entry per
+    layer, None where not kept. A kept state is the tensor the layer reads (through a view or a gather), so gradients
+    reach it as in HF.
+    """
+    states = []
+    for i, layer in enumerate(layers):
+        if keep is not None:
+            states.append(padding.unpack(x, layout) if i in keep else None)  # [B, S, hidden]
+            x = x if states[-1] is None else padding.pack(states[-1], layout)
+        x = _checkpointed(owner, layer)(x, layout)
+    return x, states
 
 
 def _checkpointed(encoder, layer):

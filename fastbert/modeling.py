@@ -25,7 +25,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from . import announce, cpu, dispatch, layers, padding, plain, validation
+from . import announce, cpu, dispatch, layers, padding, plain, rotary, validation
 from . import plan as plans
 
 # transformers 5 drops None from tuple outputs; 4.x keeps the pooler's slot (heads index outputs[2:]).
@@ -46,6 +46,9 @@ def why_not_accelerated(config) -> str | None:
     position_type = getattr(config, "position_embedding_type", "absolute")
     if position_type not in (None, "absolute"):
         return f"config.position_embedding_type={position_type!r} (relative positions)"
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and rotary.why_not_static(rope.get("rope_type")):
+        return f"config.rope_parameters {rotary.why_not_static(rope.get('rope_type'))}"
     return None
 
 
@@ -100,6 +103,12 @@ class FusedModel(layers.Fused):
         forward.__signature__ = signature
         forward.__doc__ = f"``{cls.hf_class.__name__}.forward``'s arguments and outputs; " + FusedModel._forward.__doc__
         cls.forward = forward
+
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """transformers' answer for its own class: checkpoints load and save through transformers' weight conversions
+        for the architecture (GTE's fused ``qkv_proj``, renamed keys), which it skips for classes defined elsewhere."""
+        return cls.hf_class.is_custom_code()
 
     def __init__(self, config, *args, unpad: bool = True, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -163,7 +172,7 @@ class FusedModel(layers.Fused):
         """indices [3, N] (``_prepare``), inputs_embeds [N, width] or None -> ``output_class`` with [B, S, hidden]
         outputs; ``keep``: the hidden states to return (``_selected_states``). Reads no device data."""
         x = self.embed(indices, inputs_embeds)  # [N, hidden]
-        x, states = getattr(self, self.encoder_name).fused(x, layout, keep)
+        x, states = self.encode(x, indices, layout, keep)
         sequence_output = padding.unpack(x, layout)  # [B, S, hidden]
         hidden_states = None
         if keep is not None:
@@ -235,8 +244,9 @@ class FusedModel(layers.Fused):
             position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, device)
         if input_ids is None:
             input_ids = torch.zeros_like(token_type_ids)
+        positions = getattr(embeddings, "position_embeddings", None)  # (none in rotary models: any position is valid)
         limits = [word.shape[0], 1 if token_types is None else token_types.weight.shape[0],
-                  embeddings.position_embeddings.weight.shape[0]]
+                  validation.UNBOUNDED if positions is None else positions.weight.shape[0]]
         return (input_ids, token_type_ids, position_ids.expand(batch, seq_len)), limits, positions_name
 
     def _read_back(self, mask: torch.Tensor) -> torch.Tensor:
@@ -291,6 +301,11 @@ class FusedModel(layers.Fused):
     def embed(self, indices: torch.Tensor, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         """indices [3, N] -> the encoder's input [N, hidden]."""
         return self.embeddings.fused(indices, inputs_embeds)
+
+    def encode(self, x: torch.Tensor, indices: torch.Tensor, layout: padding.TokenLayout, keep: set[int] | None):
+        """The layers: x [N, hidden] -> (last [N, hidden], kept states), see ``layers.run_layers``. indices [3, N]:
+        the tokens' ids, types and positions (a rotary model builds its tables from the positions)."""
+        return getattr(self, self.encoder_name).fused(x, layout, keep)
 
     # -------------------------------------------------------------------------------------------------------------
 

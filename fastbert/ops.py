@@ -33,7 +33,7 @@ def _resolve(op: str, tensor: torch.Tensor, why: str | None) -> tuple[str, str |
     return dispatch.resolve(op, tensor, why)
 
 
-def _counted(run, warning: str | None):
+def counted(run, warning: str | None):
     """``run``, announcing ``warning`` on every call when there is one (``announce`` warns once and counts)."""
     if warning is None:
         return run
@@ -114,7 +114,7 @@ def _onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation:
         # through ``.data`` (``merge_and_unload``). Either way the packed copy goes now, not at the next rebuild.
         derived.clear(dense)
         return None
-    if not _onednn_applies(x, (dense.weight,)):
+    if not onednn_applies(x, (dense.weight,)):
         return None
 
     def run(x, residual=None):
@@ -124,7 +124,7 @@ def _onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation:
     return run
 
 
-def _onednn_applies(x: torch.Tensor, weights: tuple, why: str | None = None) -> bool:
+def onednn_applies(x: torch.Tensor, weights: tuple, why: str | None = None) -> bool:
     """Whether a CPU GEMM of ``x`` with ``weights`` runs through oneDNN (see ``_onednn_gemm``)."""
     return (
         not torch.compiler.is_compiling()  # (compiled and exported graphs keep F.linear)
@@ -156,8 +156,9 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
     """LayerNorm(word[ids] + position[pos] + token_type[tt]) -> [tokens, width] (width: the tables' width).
 
     indices: [3, tokens] int64 (word, token type, position), range-checked by ``validation.flat_indices``.
-    embeddings: HF's embeddings module (``word_embeddings``, ``position_embeddings``, ``LayerNorm``, ``dropout``, and
-    ``token_type_embeddings`` unless the family has none, as DistilBERT; then indices[1] is ignored).
+    embeddings: HF's embeddings module (``word_embeddings``, ``LayerNorm``, ``dropout``, ``position_embeddings``
+    unless positions are rotary, then indices[2] is ignored here, and ``token_type_embeddings`` unless the family has
+    none, as DistilBERT; then indices[1] is ignored).
     inputs_embeds: [tokens, width] replaces the word lookup when given (then indices[0] is ignored).
     """
     op = "embedding" if inputs_embeds is None else "embedding(inputs_embeds)"
@@ -165,20 +166,21 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
 
 
 def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
-    word_embeddings, position_embeddings = embeddings.word_embeddings, embeddings.position_embeddings
+    word_embeddings = embeddings.word_embeddings
+    position_embeddings = getattr(embeddings, "position_embeddings", None)
     token_type_embeddings = getattr(embeddings, "token_type_embeddings", None)
-    word, position = word_embeddings.weight, position_embeddings.weight
+    word = word_embeddings.weight
+    position = None if position_embeddings is None else position_embeddings.weight
     token_type = None if token_type_embeddings is None else token_type_embeddings.weight
     ln = embeddings.LayerNorm
     p = embeddings.dropout.p if embeddings.training else 0.0
     why = dispatch.why_reference(word, position, token_type, ln.weight, ln.bias, inputs_embeds, dropout_p=p)
     if inputs_embeds is not None:
         why = why or "inputs_embeds replaces the fused word-embedding lookup"
-    tables = dict(word_embeddings=(word_embeddings, nn.Embedding),
-                  position_embeddings=(position_embeddings, nn.Embedding),
-                  LayerNorm=(ln, nn.LayerNorm))
-    if token_type_embeddings is not None:
-        tables["token_type_embeddings"] = (token_type_embeddings, nn.Embedding)
+    tables = dict(word_embeddings=(word_embeddings, nn.Embedding), LayerNorm=(ln, nn.LayerNorm))
+    for name, table in (("position_embeddings", position_embeddings), ("token_type_embeddings", token_type_embeddings)):
+        if table is not None:
+            tables[name] = (table, nn.Embedding)
     why = why or _why_not_plain(word.device, **tables)
     backend, warning = _resolve("embedding", word, why)
 
@@ -191,23 +193,31 @@ def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
                  else inputs_embeds)
             if token_type_embeddings is not None:
                 x = x + token_type_embeddings(token_type_ids.clamp(0, token_type_embeddings.num_embeddings - 1))
-            x = x + position_embeddings(position_ids.clamp(0, position_embeddings.num_embeddings - 1))
+            if position_embeddings is not None:
+                x = x + position_embeddings(position_ids.clamp(0, position_embeddings.num_embeddings - 1))
             return embeddings.dropout(ln(x))
 
-        return _counted(run, warning)
+        return counted(run, warning)
 
     def run(indices, inputs_embeds):
         input_ids, token_type_ids, position_ids = indices.unbind(0)
         word = word_embeddings.weight
-        # The kernels always add a token-type row: a family without token types adds a zero row (one [1, width]
-        # table, cached with the word table it follows in dtype and device).
-        types = (token_type_embeddings.weight if token_type_embeddings is not None
-                 else derived.cached(embeddings, "zero_token_type", (word,), _zero_row))
+        # The kernels always add a token-type row and a position row: a family without token types (DistilBERT, GTE
+        # with type_vocab_size 0) or without a position table (rotary models) adds a zero row (one [1, width] table,
+        # cached with the word table it follows in dtype and device), read at index 0.
+        zero = None
+        if token_type_embeddings is None or position_embeddings is None:
+            zero = derived.cached(embeddings, "zero_row", (word,), _zero_row)
+        # (token types are all 0 already: ``FusedModel._token_ids`` passes zeros where there is no table)
+        types = zero if token_type_embeddings is None else token_type_embeddings.weight
+        if position_embeddings is None:
+            positions, position_ids = zero, torch.zeros_like(position_ids)
+        else:
+            positions = position_embeddings.weight
         fused = _extension.embedding_layer_norm if backend.endswith("-ext") else embedding_kernels.embedding_layer_norm
-        return fused(input_ids, position_ids, token_type_ids, word, position_embeddings.weight, types, ln.weight,
-                     ln.bias, ln.eps)
+        return fused(input_ids, position_ids, token_type_ids, word, positions, types, ln.weight, ln.bias, ln.eps)
 
-    return _counted(run, warning)
+    return counted(run, warning)
 
 
 def _zero_row(word: torch.Tensor) -> torch.Tensor:
@@ -247,7 +257,7 @@ def _how_qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: t
             return F.linear(x, torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]))
 
         return run
-    if x.device.type == "cpu" and _onednn_applies(x, params(), dispatch.why_reference(x)):  # (gradients may reach x)
+    if x.device.type == "cpu" and onednn_applies(x, params(), dispatch.why_reference(x)):  # (gradients may reach x)
         def run(x):
             weight, bias = derived.cached(query, "qkv_onednn", params(), _stack_and_pack_qkv)
             return cpu_linear.linear(x, weight, bias)
@@ -294,16 +304,16 @@ def _how_dense_residual_layer_norm(x, residual, dense, dropout, layer_norm):
         # The GEMM with its 1-D bias (cuBLASLt's bias epilogue, one kernel); the kernel adds the residual and
         # normalizes. (addmm(residual, x, W^T) would first copy the residual into the output: one more kernel.)
         gemm = _how_linear(x, dense)
-        return _counted(lambda x, residual: layer_norm_kernels.layer_norm(gemm(x), ln.weight, ln.bias, ln.eps,
+        return counted(lambda x, residual: layer_norm_kernels.layer_norm(gemm(x), ln.weight, ln.bias, ln.eps,
                                                                           residual=residual), warning)
     norm = _layer_norm_call(layer_norm, x.device)
     fused = _onednn_gemm(x, dense, why_gemm)  # (only without dropout: it comes before the add)
     if fused is not None:
-        return _counted(lambda x, residual: norm(fused(x, residual)), warning)
+        return counted(lambda x, residual: norm(fused(x, residual)), warning)
     gemm = _how_linear(x, dense)
     if dropout is None or (p == 0 and not has_hooks(dropout)):
-        return _counted(lambda x, residual: norm(gemm(x) + residual), warning)
-    return _counted(lambda x, residual: layer_norm(dropout(gemm(x)) + residual), warning)
+        return counted(lambda x, residual: norm(gemm(x) + residual), warning)
+    return counted(lambda x, residual: layer_norm(dropout(gemm(x)) + residual), warning)
 
 
 def dense_act(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module) -> torch.Tensor:
@@ -318,19 +328,19 @@ def _how_dense_act(x, dense, act_fn):
     backend, warning = _resolve("bias_act", x, why)
     if backend == "triton":
         if not is_plain(dense, nn.Linear, x.device):
-            return _counted(lambda x: activation_kernels.bias_act(dense(x), None, activation), warning)
+            return counted(lambda x: activation_kernels.bias_act(dense(x), None, activation), warning)
         use_gelu = gemm_epilogue(activation, x.device)
         if use_gelu is not None and dense.bias is not None:
             # bias + activation in the GEMM's epilogue (cuBLASLt): the [tokens, intermediate] output is written once
-            return _counted(lambda x: torch._addmm_activation(dense.bias, x, dense.weight.t(), use_gelu=use_gelu),
+            return counted(lambda x: torch._addmm_activation(dense.bias, x, dense.weight.t(), use_gelu=use_gelu),
                             warning)
-        return _counted(lambda x: activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation),
+        return counted(lambda x: activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation),
                         warning)
     fused = _onednn_gemm(x, dense, why_gemm, activation)
     if fused is not None:
-        return _counted(fused if activation is not None else (lambda x: act_fn(fused(x))), warning)
+        return counted(fused if activation is not None else (lambda x: act_fn(fused(x))), warning)
     gemm = _how_linear(x, dense)
-    return _counted(lambda x: act_fn(gemm(x)), warning)
+    return counted(lambda x: act_fn(gemm(x)), warning)
 
 
 def dense_act_layer_norm(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module, layer_norm: nn.Module) -> torch.Tensor:
@@ -348,14 +358,14 @@ def _how_dense_act_layer_norm(x, dense, act_fn, layer_norm):
     if backend == "triton":
         ln = layer_norm
         if is_plain(dense, nn.Linear, x.device):
-            return _counted(lambda x: layer_norm_kernels.layer_norm(F.linear(x, dense.weight), ln.weight, ln.bias,
+            return counted(lambda x: layer_norm_kernels.layer_norm(F.linear(x, dense.weight), ln.weight, ln.bias,
                                                                     ln.eps, bias=dense.bias, activation=activation),
                             warning)
-        return _counted(lambda x: layer_norm_kernels.layer_norm(dense(x), ln.weight, ln.bias, ln.eps,
+        return counted(lambda x: layer_norm_kernels.layer_norm(dense(x), ln.weight, ln.bias, ln.eps,
                                                                 activation=activation), warning)
     norm = _layer_norm_call(layer_norm, x.device)
     fused = _onednn_gemm(x, dense, why_gemm, activation)
     if fused is not None:
-        return _counted(lambda x: norm(fused(x) if activation is not None else act_fn(fused(x))), warning)
+        return counted(lambda x: norm(fused(x) if activation is not None else act_fn(fused(x))), warning)
     gemm = _how_linear(x, dense)
-    return _counted(lambda x: norm(act_fn(gemm(x))), warning)
+    return counted(lambda x: norm(act_fn(gemm(x))), warning)

@@ -133,13 +133,19 @@ def checked_indices(
     return stacked
 
 
+# A limit meaning "any value": positions that index no table (rotary models compute from them whatever they are, as
+# transformers does).
+UNBOUNDED = -1
+
+
 def _check_spans(spans: list[int], limits: list[int], positions_name: str) -> None:
-    """spans: [min, max] of ids, token types and positions, flattened (6 values read back from the device)."""
+    """spans: [min, max] of ids, token types and positions, flattened (6 values read back from the device); limits:
+    the tables' sizes, ``UNBOUNDED`` where any value is valid."""
     names = ("input_ids", "token_type_ids", positions_name)
     tables = ("vocab_size", "type_vocab_size", "max_position_embeddings")
     for i, (name, table, limit) in enumerate(zip(names, tables, limits)):
         lo, hi = spans[2 * i], spans[2 * i + 1]
-        if lo < 0 or hi >= limit:
+        if limit != UNBOUNDED and (lo < 0 or hi >= limit):
             raise ValueError(
                 f"{name} out of range: values span [{lo}, {hi}] but must lie in [0, {limit}) ({table}={limit})"
             )

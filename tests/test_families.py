@@ -1,4 +1,4 @@
-"""RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA and DistilBERT next to transformers: drop-in classes, optimize() on every
+"""RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT and GTE next to transformers: drop-in classes, optimize() on every
 head, the Auto classes, each family's own details (positions, projection, names), the Triton path under the
 interpreter. Random-init configs (odd widths, head dims 32 and 64); the comparison rule is conftest's."""
 
@@ -55,6 +55,17 @@ FAMILIES = {
         sinusoidal_pos_embds=True, activation="relu", dropout=0.0, attention_dropout=0.0),
         ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMaskedLM",
          "ForMultipleChoice")),
+    # rotary positions (theta 10000), GeGLU MLP, no token types; head dim 26 (a rotary half of 13)
+    "gte": Family(fastbert.GteModel, transformers.GteConfig(
+        vocab_size=99, hidden_size=78, num_attention_heads=3, num_hidden_layers=2, intermediate_size=50,
+        max_position_embeddings=40, type_vocab_size=0, **_NO_DROPOUT),
+        ("ForSequenceClassification", "ForTokenClassification", "ForMaskedLM")),
+    # 2 token types, head dim 64, theta 160000 with linear scaling, tanh GeGLU
+    "gte-types": Family(fastbert.GteModel, transformers.GteConfig(
+        vocab_size=99, hidden_size=128, num_attention_heads=2, num_hidden_layers=2, intermediate_size=96,
+        max_position_embeddings=40, type_vocab_size=2, hidden_act="gelu_pytorch_tanh",
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 160000.0}, **_NO_DROPOUT),
+        ("ForSequenceClassification", "ForTokenClassification", "ForMaskedLM")),
 }
 FAMILY_IDS = list(FAMILIES)
 
@@ -115,7 +126,9 @@ def test_matches_hf(family, unpad, shape, assert_matches_hf):
     assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
     for i, states in enumerate(zip(*(o.hidden_states for o in outs))):
         assert_matches_hf(*states, mask, name=f"hidden_states[{i}]")
-    if hasattr(outs[1], "pooler_output"):
+    if getattr(outs[1], "pooler_output", None) is None:  # (none, or GTE's default: no pooling layer)
+        assert getattr(outs[0], "pooler_output", None) is None
+    else:
         rows = mask[:, 0].bool()  # the pooler reads position 0: a real token only where the row starts with one
         assert_matches_hf(*(o.pooler_output for o in outs), rows, name="pooler_output")
 
@@ -236,8 +249,9 @@ def _first_token_notes() -> int:
     return sum(n for note, n in fastbert.info()["notes"].items() if "reads position 0" in note)
 
 
-@pytest.mark.parametrize("family", FAMILY_IDS)
-@pytest.mark.parametrize("head", ["ForSequenceClassification", "ForMultipleChoice"])
+@pytest.mark.parametrize("family, head", [(family, head) for family in FAMILY_IDS
+                                          for head in ("ForSequenceClassification", "ForMultipleChoice")
+                                          if head in FAMILIES[family].heads])
 def test_left_padding_read_by_the_head_is_said(family, head, assert_matches_hf):
     """A head reading position 0 of a left-padded batch: the padding-free path gives it zeros there (transformers a
     value computed from the padding token), which is said at run time, every family; right padding says nothing;
@@ -266,11 +280,11 @@ def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, f
     """FASTBERT_BACKEND=triton, TRITON_INTERPRET=1: every op of the family runs its Triton kernel (counted)."""
     pytest.importorskip("triton")
     fastbert_env(FASTBERT_BACKEND="triton", TRITON_INTERPRET="1")
-    from fastbert.kernels import activation, attention, embedding, layer_norm
+    from fastbert.kernels import activation, attention, embedding, glu, layer_norm, rope
 
     calls = {}
     for module, function in ((embedding, "embedding_layer_norm"), (attention, "attention_varlen"),
-                             (layer_norm, "layer_norm"), (activation, "bias_act")):
+                             (layer_norm, "layer_norm"), (activation, "bias_act"), (rope, "rotary_"), (glu, "glu")):
         original = getattr(module, function)
 
         def counted(*args, _original=original, _name=function, **kwargs):
@@ -285,7 +299,9 @@ def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, f
     layers = family.config.num_hidden_layers
     expected = {"embedding_layer_norm": 1, "attention_varlen": layers, "layer_norm": 2 * layers}
     activation = getattr(family.config, "hidden_act", None) or family.config.activation
-    if fastbert.ops.gemm_epilogue(activation, torch.device("cpu")) is None:  # (ReLU runs in the GEMM's epilogue)
+    if isinstance(family.config, transformers.GteConfig):  # rotary q/k, GLU MLP
+        expected.update(rotary_=layers, glu=layers)
+    elif fastbert.ops.gemm_epilogue(activation, torch.device("cpu")) is None:  # (ReLU runs in the GEMM's epilogue)
         expected["bias_act"] = layers
     assert calls == expected
 

@@ -7,15 +7,16 @@ from .bert import BertModel
 from .camembert import CamembertModel
 from .distilbert import DistilBertModel
 from .electra import ElectraModel
+from .gte import GteModel
 from .roberta import RobertaModel
 from .xlm_roberta import XLMRobertaModel
-from . import bert, camembert, distilbert, electra, roberta, xlm_roberta
+from . import bert, camembert, distilbert, electra, gte, roberta, xlm_roberta
 
-MODELS = (BertModel, RobertaModel, XLMRobertaModel, CamembertModel, ElectraModel, DistilBertModel)
+MODELS = (BertModel, RobertaModel, XLMRobertaModel, CamembertModel, ElectraModel, DistilBertModel, GteModel)
 # transformers' model class -> ours
 MODEL_CLASSES = {model.hf_class: model for model in MODELS}
 HEAD_CLASSES = {
     theirs: ours
-    for family in (bert, roberta, xlm_roberta, camembert, electra, distilbert)
+    for family in (bert, roberta, xlm_roberta, camembert, electra, distilbert, gte)
     for theirs, ours in family.HEAD_CLASSES.items()
 }

@@ -1,0 +1,74 @@
+"""The GLU MLP's first half: act(gate(x)) * up(x), with gate and up as one GEMM on their weights stacked [up; gate]
+(a derived cache, as the QKV projection's), then the act-and-mul kernel (``kernels/glu.py``, the second half
+activated) or the torch reference (HF's activation module on the gate half, times the up half).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import derived, dispatch
+from .kernels import cpu_linear
+from .kernels import glu as glu_kernels
+from .ops import counted, onednn_applies
+from .plain import has_hooks, is_plain
+from .plan import decided
+
+
+def _glu_activations() -> dict[type, str]:
+    from transformers.activations import ACT2FN
+
+    return {type(ACT2FN[name]): name for name in glu_kernels.GLU_ACTIVATIONS}
+
+
+# HF's activation module types -> the GLU kernel's name for them (the module the model holds decides).
+_ACTIVATION_NAMES = _glu_activations()
+
+
+def dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.Module) -> torch.Tensor:
+    """x [N, hidden] -> act_fn(gate(x)) * up(x) [N, intermediate] (GTE's and NomicBERT's MLP before ``down``)."""
+    return decided(gate, "dense_glu", _how_dense_glu, x, up, gate, act_fn)(x)
+
+
+def _how_dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.Module):
+    if not (is_plain(up, nn.Linear, x.device) and is_plain(gate, nn.Linear, x.device)) or (
+            (up.bias is None) != (gate.bias is None)):
+        # A wrapper (LoRA) may later merge into the Linear it wraps through ``.data``: the stacked copy goes now.
+        derived.clear(gate)
+        return lambda x: act_fn(gate(x)) * up(x)
+    params = (up.weight, gate.weight) + (() if up.bias is None else (up.bias, gate.bias))
+    activation = None if has_hooks(act_fn) else _ACTIVATION_NAMES.get(type(act_fn))
+    why = dispatch.why_reference(x, *params)
+    backend, warning = dispatch.resolve("glu", x, why or (
+        None if activation else f"activation {type(act_fn).__name__} has no GLU kernel (HF's module runs)"))
+
+    def act_and_mul(h):  # h [N, 2 * I] = [up | gate]
+        if backend == "triton":
+            return glu_kernels.glu(h, None, activation, 1)
+        up_half, gate_half = h.chunk(2, dim=-1)
+        return act_fn(gate_half) * up_half
+
+    if why is not None:  # gradients: stacked per call, so they reach HF's parameters
+        def run(x):
+            derived.discard(gate, "glu_weight")
+            derived.discard(gate, "glu_onednn")
+            return act_and_mul(F.linear(x, *_stack(*params)))
+    elif x.device.type == "cpu" and onednn_applies(x, params):
+        def run(x):
+            weight, bias = derived.cached(gate, "glu_onednn", params, _stack_and_pack)
+            return act_and_mul(cpu_linear.linear(x, weight, bias))
+    else:
+        def run(x):
+            return act_and_mul(F.linear(x, *derived.cached(gate, "glu_weight", params, _stack)))
+
+    return counted(run, warning)
+
+
+def _stack(w_up, w_gate, b_up=None, b_gate=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[up; gate] stacked: weight [2 * I, hidden], bias [2 * I] or None."""
+    return torch.cat([w_up, w_gate]), None if b_up is None else torch.cat([b_up, b_gate])
+
+
+def _stack_and_pack(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight, bias = _stack(*params)
+    return cpu_linear.pack(weight), bias
