@@ -63,6 +63,10 @@ MODELS: dict[str, ModelSpec] = {
                                intermediate_size=3072, max_position_embeddings=8192, type_vocab_size=0,
                                layer_norm_eps=1e-12, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
                           max_seq_len=8192),
+    "gte-tiny": ModelSpec("gte", "GteModel, 2 layers, H=128, 2 heads, I=256; random weights (smoke tests)",
+                          dict(vocab_size=30528, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=256, max_position_embeddings=8192, type_vocab_size=0),
+                          max_seq_len=8192),
 }
 
 
