@@ -10,7 +10,7 @@ from torch import nn
 from . import derived, dispatch
 from .kernels import cpu_linear
 from .kernels import glu as glu_kernels
-from .ops import counted, onednn_applies
+from .ops import counted, onednn_applies, stack_linears, stacked_parameters
 from .plain import has_hooks, is_plain
 from .plan import decided
 
@@ -31,12 +31,12 @@ def dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.Module
 
 
 def _how_dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.Module):
-    if not (is_plain(up, nn.Linear, x.device) and is_plain(gate, nn.Linear, x.device)) or (
-            (up.bias is None) != (gate.bias is None)):
+    plain = is_plain(up, nn.Linear, x.device) and is_plain(gate, nn.Linear, x.device)
+    params = stacked_parameters(up, gate) if plain else None
+    if params is None:
         # A wrapper (LoRA) may later merge into the Linear it wraps through ``.data``: the stacked copy goes now.
         derived.clear(gate)
         return lambda x: act_fn(gate(x)) * up(x)
-    params = (up.weight, gate.weight) + (() if up.bias is None else (up.bias, gate.bias))
     activation = None if has_hooks(act_fn) else _ACTIVATION_NAMES.get(type(act_fn))
     why = dispatch.why_reference(x, *params)
     backend, warning = dispatch.resolve("glu", x, why or (
@@ -52,23 +52,22 @@ def _how_dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.M
         def run(x):
             derived.discard(gate, "glu_weight")
             derived.discard(gate, "glu_onednn")
-            return act_and_mul(F.linear(x, *_stack(*params)))
+            return act_and_mul(F.linear(x, *stack_linears(2, *stacked_parameters(up, gate))))
     elif x.device.type == "cpu" and onednn_applies(x, params):
         def run(x):
-            weight, bias = derived.cached(gate, "glu_onednn", params, _stack_and_pack)
+            weight, bias = derived.cached(gate, "glu_onednn", stacked_parameters(up, gate), _stack_and_pack)
             return act_and_mul(cpu_linear.linear(x, weight, bias))
     else:
         def run(x):
-            return act_and_mul(F.linear(x, *derived.cached(gate, "glu_weight", params, _stack)))
+            return act_and_mul(F.linear(x, *derived.cached(gate, "glu_weight", stacked_parameters(up, gate), _stack)))
 
     return counted(run, warning)
 
 
-def _stack(w_up, w_gate, b_up=None, b_gate=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[up; gate] stacked: weight [2 * I, hidden], bias [2 * I] or None."""
-    return torch.cat([w_up, w_gate]), None if b_up is None else torch.cat([b_up, b_gate])
+def _stack(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return stack_linears(2, *params)  # [up; gate]: weight [2 * I, hidden], bias [2 * I] or None
 
 
 def _stack_and_pack(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight, bias = _stack(*params)
+    weight, bias = stack_linears(2, *params)
     return cpu_linear.pack(weight), bias

@@ -239,44 +239,58 @@ def qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.
 
 
 def _how_qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: torch.Tensor):
-    if not all(is_plain(m, nn.Linear, x.device) for m in (query, key, value)):
+    plain = all(is_plain(m, nn.Linear, x.device) for m in (query, key, value))
+    params = stacked_parameters(query, key, value) if plain else None
+    if params is None:
         # A wrapper (LoRA) may later write into the Linear it wraps through ``.data`` (``merge_and_unload``): what
         # was cached on ``query`` before it was wrapped goes.
         derived.clear(query)
         return lambda x: torch.cat([query(x), key(x), value(x)], dim=-1)
-    def params():
-        return query.weight, key.weight, value.weight, query.bias, key.bias, value.bias
 
-    if torch.is_grad_enabled() and any(p.requires_grad for p in params()):
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
         def run(x):
             # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP)
             # where no version counter sees it, so the inference cache goes.
             derived.discard(query, "qkv")
             derived.discard(query, "qkv_onednn")
-            wq, wk, wv, bq, bk, bv = params()
-            return F.linear(x, torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]))
+            return F.linear(x, *stack_linears(3, *stacked_parameters(query, key, value)))
 
         return run
-    if x.device.type == "cpu" and onednn_applies(x, params(), dispatch.why_reference(x)):  # (gradients may reach x)
+    if x.device.type == "cpu" and onednn_applies(x, params, dispatch.why_reference(x)):  # (gradients may reach x)
         def run(x):
-            weight, bias = derived.cached(query, "qkv_onednn", params(), _stack_and_pack_qkv)
+            params = stacked_parameters(query, key, value)
+            weight, bias = derived.cached(query, "qkv_onednn", params, _stack_and_pack_qkv)
             return cpu_linear.linear(x, weight, bias)
 
         return run
 
     def run(x):
-        weight, bias = derived.cached(query, "qkv", params(), _stack_qkv)
-        return F.linear(x, weight, bias)
+        return F.linear(x, *derived.cached(query, "qkv", stacked_parameters(query, key, value), _stack_qkv))
 
     return run
 
 
-def _stack_qkv(wq, wk, wv, bq, bk, bv) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv])
+def stacked_parameters(*linears: nn.Linear) -> tuple[torch.Tensor, ...] | None:
+    """The weights, then the biases, of plain ``linears`` whose outputs one GEMM computes side by side; no biases where
+    none has one; None where some have a bias and others not (then they run as modules)."""
+    biases = [m.bias for m in linears]
+    weights = tuple(m.weight for m in linears)
+    if all(b is None for b in biases):
+        return weights
+    return None if any(b is None for b in biases) else weights + tuple(biases)
 
 
-def _stack_and_pack_qkv(*params) -> tuple[torch.Tensor, torch.Tensor]:
-    weight, bias = _stack_qkv(*params)
+def stack_linears(count: int, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``stacked_parameters`` of ``count`` linears -> (weight [sum of outputs, in], bias [sum of outputs] or None)."""
+    return torch.cat(params[:count]), torch.cat(params[count:]) if len(params) > count else None
+
+
+def _stack_qkv(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return stack_linears(3, *params)
+
+
+def _stack_and_pack_qkv(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight, bias = stack_linears(3, *params)
     return cpu_linear.pack(weight), bias
 
 
@@ -295,7 +309,8 @@ def dense_residual_layer_norm(
 
 def _how_dense_residual_layer_norm(x, residual, dense, dropout, layer_norm):
     p = dropout.p if dropout is not None and dropout.training else 0.0
-    why_gemm = dispatch.why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None), residual, dropout_p=p)
+    why_gemm = dispatch.why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None), residual,
+                                      dropout_p=p)
     why = why_gemm or dispatch.why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
     why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     backend, warning = _resolve("layer_norm", x, why)

@@ -1,6 +1,7 @@
-"""RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT and GTE next to transformers: drop-in classes, optimize() on every
-head, the Auto classes, each family's own details (positions, projection, names), the Triton path under the
-interpreter. Random-init configs (odd widths, head dims 32 and 64); the comparison rule is conftest's."""
+"""RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE and NomicBERT next to transformers: drop-in classes,
+optimize() on every head, the Auto classes, each family's own details (positions, projection, names), the Triton
+path under the interpreter. Random-init configs (odd widths, head dims 26, 32 and 64); the comparison rule is
+conftest's."""
 
 import copy
 import dataclasses
@@ -20,6 +21,7 @@ class Family:
     fast: type  # fastbert's model class
     config: transformers.PretrainedConfig
     heads: tuple[str, ...]  # transformers' head classes optimize() must accelerate
+    fused_mlm_head: bool = True  # whether the MLM head's transform is fused too (not NomicBERT's SiLU one)
 
     @property
     def hf(self) -> type:
@@ -56,7 +58,7 @@ FAMILIES = {
         ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMaskedLM",
          "ForMultipleChoice")),
 }
-if hasattr(transformers, "GteConfig"):  # (transformers 5.x)
+if hasattr(transformers, "GteConfig") and hasattr(transformers, "NomicBertConfig"):  # (transformers 5.x)
     FAMILIES.update({
         # rotary positions (theta 10000), GeGLU MLP, no token types; head dim 26 (a rotary half of 13)
         "gte": Family(fastbert.GteModel, transformers.GteConfig(
@@ -69,6 +71,11 @@ if hasattr(transformers, "GteConfig"):  # (transformers 5.x)
             max_position_embeddings=40, type_vocab_size=2, hidden_act="gelu_pytorch_tanh",
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 160000.0}, **_NO_DROPOUT),
             ("ForSequenceClassification", "ForTokenClassification", "ForMaskedLM")),
+        # no biases, SwiGLU, 2 token types, theta 1000, head dim 32
+        "nomic-bert": Family(fastbert.NomicBertModel, transformers.NomicBertConfig(
+            vocab_size=99, hidden_size=96, num_attention_heads=3, num_hidden_layers=2, intermediate_size=80,
+            max_position_embeddings=40, **_NO_DROPOUT),
+            ("ForSequenceClassification", "ForTokenClassification", "ForMaskedLM"), fused_mlm_head=False),
     })
 FAMILY_IDS = list(FAMILIES)
 
@@ -232,8 +239,10 @@ def test_optimize_every_head(family, head, assert_matches_hf, caplog):
     assert any(head in line for line in fastbert.info()["optimized"])
     assert isinstance(fast.base_model, family.fast)
     left = {type(m).__name__ for m in fast.modules() if type(m).__module__.startswith("transformers.models")}
+    fused = ("Layer", "SelfAttention", "Encoder")
+    fused += ("LMHead", "GeneratorPredictions") if family.fused_mlm_head else ()
     assert not left & {"Embeddings", "TransformerBlock", "FFN", "Transformer"} and not any(
-        name.endswith(("Layer", "SelfAttention", "Encoder", "LMHead", "GeneratorPredictions")) for name in left), left
+        name.endswith(fused) for name in left), left
     input_ids, _ = inputs(family.config, 4, 8)
     mask = (torch.arange(8) < torch.tensor([[8], [5], [3], [1]])).long()  # right padding: heads read position 0
     input_ids = input_ids.masked_fill(mask == 0, _pad_id(family.config))
@@ -302,7 +311,7 @@ def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, f
     layers = family.config.num_hidden_layers
     expected = {"embedding_layer_norm": 1, "attention_varlen": layers, "layer_norm": 2 * layers}
     activation = getattr(family.config, "hidden_act", None) or family.config.activation
-    if type(family.config).__name__ == "GteConfig":  # rotary q/k, GLU MLP
+    if type(family.config).__name__ in ("GteConfig", "NomicBertConfig"):  # rotary q/k, GLU MLP
         expected.update(rotary_=layers, glu=layers)
     elif fastbert.ops.gemm_epilogue(activation, torch.device("cpu")) is None:  # (ReLU runs in the GEMM's epilogue)
         expected["bias_act"] = layers

