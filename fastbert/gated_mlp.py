@@ -1,6 +1,10 @@
-"""The GLU MLP's first half: act(gate(x)) * up(x), with gate and up as one GEMM on their weights stacked [up; gate]
-(a derived cache, as the QKV projection's), then the act-and-mul kernel (``kernels/glu.py``, the second half
-activated) or the torch reference (HF's activation module on the gate half, times the up half).
+"""The GLU MLP's first half: one GEMM computing both halves, then act(one half) * the other, by the act-and-mul
+kernel (``kernels/glu.py``) or the torch reference (HF's activation module on one half, times the other).
+
+- ``dense_glu``: act(gate(x)) * up(x) with gate and up two Linears (GTE, NomicBERT), run as one GEMM on their weights
+  stacked [up; gate] (a derived cache, as the QKV projection's): the second half activated.
+- ``linear_glu``: act(a) * b for [a | b] = Wi(x), one Linear of twice the width (ModernBERT): the first half
+  activated; Wi's bias, where it has one, is added by the kernel.
 """
 
 import torch
@@ -10,7 +14,7 @@ from torch import nn
 from . import derived, dispatch
 from .kernels import cpu_linear
 from .kernels import glu as glu_kernels
-from .ops import counted, onednn_applies, stack_linears, stacked_parameters
+from .ops import counted, linear, onednn_applies, stack_linears, stacked_parameters
 from .plain import has_hooks, is_plain
 from .plan import decided
 
@@ -37,16 +41,8 @@ def _how_dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.M
         # A wrapper (LoRA) may later merge into the Linear it wraps through ``.data``: the stacked copy goes now.
         derived.clear(gate)
         return lambda x: act_fn(gate(x)) * up(x)
-    activation = None if has_hooks(act_fn) else _ACTIVATION_NAMES.get(type(act_fn))
     why = dispatch.why_reference(x, *params)
-    backend, warning = dispatch.resolve("glu", x, why or (
-        None if activation else f"activation {type(act_fn).__name__} has no GLU kernel (HF's module runs)"))
-
-    def act_and_mul(h):  # h [N, 2 * I] = [up | gate]
-        if backend == "triton":
-            return glu_kernels.glu(h, None, activation, 1)
-        up_half, gate_half = h.chunk(2, dim=-1)
-        return act_fn(gate_half) * up_half
+    act_and_mul, warning = _act_and_mul(x, act_fn, 1, why)  # h [N, 2 * I] = [up | gate]
 
     if why is not None:  # gradients: stacked per call, so they reach HF's parameters
         def run(x):
@@ -62,6 +58,38 @@ def _how_dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.M
             return act_and_mul(F.linear(x, *derived.cached(gate, "glu_weight", stacked_parameters(up, gate), _stack)))
 
     return counted(run, warning)
+
+
+def linear_glu(x: torch.Tensor, wi: nn.Module, act_fn: nn.Module, activated_half: int = 0) -> torch.Tensor:
+    """x [N, hidden] -> act(a) * b [N, intermediate], [a | b] = wi(x) [N, 2 * intermediate] with a the half number
+    ``activated_half`` (ModernBERT's ``input, gate = Wi(h).chunk(2); act(input) * gate``: 0)."""
+    return decided(wi, "linear_glu", _how_linear_glu, x, wi, act_fn, activated_half)(x)
+
+
+def _how_linear_glu(x, wi, act_fn, activated_half):
+    bias = getattr(wi, "bias", None)
+    why = dispatch.why_reference(x, getattr(wi, "weight", None), bias)
+    act_and_mul, warning = _act_and_mul(x, act_fn, activated_half, why)
+    if act_and_mul.kernel and is_plain(wi, nn.Linear, x.device):  # the GEMM without its bias: the kernel adds it
+        return counted(lambda x: act_and_mul(F.linear(x, wi.weight), wi.bias), warning)
+    return counted(lambda x: act_and_mul(linear(x, wi)), warning)
+
+
+def _act_and_mul(x: torch.Tensor, act_fn: nn.Module, activated_half: int, why: str | None):
+    """(run(h, bias=None) -> act(half ``activated_half`` of h + bias) * the other half, with ``run.kernel`` telling
+    whether the Triton kernel runs it; the fallback warning to announce, or None)."""
+    activation = None if has_hooks(act_fn) else _ACTIVATION_NAMES.get(type(act_fn))
+    backend, warning = dispatch.resolve("glu", x, why or (
+        None if activation else f"activation {type(act_fn).__name__} has no GLU kernel (HF's module runs)"))
+
+    def run(h, bias=None):
+        if backend == "triton":
+            return glu_kernels.glu(h, bias, activation, activated_half)
+        halves = (h if bias is None else h + bias).chunk(2, dim=-1)
+        return act_fn(halves[activated_half]) * halves[1 - activated_half]
+
+    run.kernel = backend == "triton"
+    return run, warning
 
 
 def _stack(*params) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -134,7 +134,7 @@ class GraphSet:
             return graph.replay(model, indices, layout)
 
     def _capture(self, model, bucket: tuple[int, int]):
-        device = model.embeddings.word_embeddings.weight.device
+        device = model.get_input_embeddings().weight.device
         if self.stream is None:
             with torch.cuda.device(device):
                 self.stream = torch.cuda.Stream()
@@ -181,7 +181,7 @@ class GraphSet:
         """Why this call cannot replay a graph ("" when it is expected and not worth a warning), or None."""
         from .modeling import _flag, _selected_states
 
-        word = model.embeddings.word_embeddings.weight
+        word = model.get_input_embeddings().weight
         if dispatch.capturing() or dispatch.exporting() or not direct_launch(word):
             return ""  # (tracing, fake tensors, torch.func, or the user's own capture: the eager ops)
         if word.device.type != "cuda":
@@ -239,7 +239,7 @@ class _Graph:
     """One bucket: the encoder captured on its ``StaticForward``."""
 
     def __init__(self, model, batch: int, seq_len: int, pool, stream):
-        device = model.embeddings.word_embeddings.weight.device
+        device = model.get_input_embeddings().weight.device
         self.static = StaticForward(batch, seq_len, device)
         # Warm up on the capture stream (Triton compiles, cuBLAS picks its kernels, derived weights are cached),
         # then capture: nothing lazy may happen inside the capture. "thread_local": another thread's CUDA calls

@@ -50,6 +50,16 @@ class Fused:
 
 
 class FusedEmbeddings(Fused):
+    # role -> the attribute holding that module in transformers' embeddings class (a family with other names, as
+    # ModernBERT's ``tok_embeddings``/``norm``/``drop``, overrides it); a role without an attribute is absent.
+    module_names = dict(word="word_embeddings", position="position_embeddings", token_type="token_type_embeddings",
+                        norm="LayerNorm", dropout="dropout")
+
+    def table(self, role: str) -> nn.Module | None:
+        """The module playing ``role`` (a key of ``module_names``), or None where the family has none."""
+        name = self.module_names.get(role)
+        return None if name is None else getattr(self, name, None)
+
     def fused(self, indices: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """indices [3, N] (word, token type, position) -> [N, hidden]."""
         return ops.embedding(indices, self, inputs_embeds)
@@ -126,13 +136,16 @@ def _checkpointed(encoder, layer):
 
 class FusedPredictionHeadTransform(Fused):
     """The MLM head's dense -> act -> LayerNorm with act + LayerNorm fused. Its ``forward`` is the fused one: the
-    head calls it with [..., hidden] like HF's. ``activation_name``: the attribute holding the activation module."""
+    head calls it with [..., hidden] like HF's. ``activation_name``, ``layer_norm_name``: the attributes holding the
+    activation and the LayerNorm modules."""
 
     activation_name = "transform_act_fn"
+    layer_norm_name = "LayerNorm"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        x = ops.dense_act_layer_norm(x, self.dense, getattr(self, self.activation_name), self.LayerNorm)
+        x = ops.dense_act_layer_norm(x, self.dense, getattr(self, self.activation_name),
+                                     getattr(self, self.layer_norm_name))
         return x.view(*hidden_states.shape[:-1], x.shape[-1])
 
 

@@ -46,10 +46,8 @@ def why_not_accelerated(config) -> str | None:
     position_type = getattr(config, "position_embedding_type", "absolute")
     if position_type not in (None, "absolute"):
         return f"config.position_embedding_type={position_type!r} (relative positions)"
-    rope = getattr(config, "rope_parameters", None)
-    if isinstance(rope, dict) and rotary.why_not_static(rope.get("rope_type")):
-        return f"config.rope_parameters {rotary.why_not_static(rope.get('rope_type'))}"
-    return None
+    why_rope = rotary.why_not_accelerated(getattr(config, "rope_parameters", None))
+    return None if why_rope is None else f"config.rope_parameters {why_rope}"
 
 
 def fuse_children(model, fused_classes: dict) -> None:
@@ -140,7 +138,7 @@ class FusedModel(layers.Fused):
             if name in kwargs:
                 raise TypeError(f"forward() got multiple values for argument {name!r}")
             kwargs[name] = value
-        word = self.embeddings.word_embeddings.weight
+        word = self.get_input_embeddings().weight
         embeds = kwargs.get("inputs_embeds")
         plan = plans.for_model(self, word.device, word.dtype, isinstance(embeds, torch.Tensor) and embeds.requires_grad)
         with plans.active(plan):
@@ -152,7 +150,7 @@ class FusedModel(layers.Fused):
         return super(FusedModel, self).forward(**kwargs)
 
     def _fused_forward(self, kwargs: dict, graph_safe: bool):
-        word = self.embeddings.word_embeddings.weight
+        word = self.get_input_embeddings().weight
         if word.dtype == torch.bfloat16 and word.device.type == "cpu" and not cpu.native_bf16():
             announce.note("this CPU has no native bf16 (no AVX512-BF16 or AMX): bf16 matmuls are emulated, slower "
                           "than float32 here in transformers and fastbert alike; float32 is the faster choice")
@@ -193,7 +191,7 @@ class FusedModel(layers.Fused):
         The integer inputs may be on the model's device or, all of them, on the CPU (as tokenizers return them): the
         checks, lengths and layout are then computed on the host and queued to the device without waiting for it.
         """
-        word = self.embeddings.word_embeddings.weight
+        word = self.get_input_embeddings().weight
         mask = inputs["attention_mask"]
         ids, limits, positions_name = self._token_ids(inputs)  # checked; [B, S] each
         batch, seq_len = ids[0].shape
@@ -217,7 +215,7 @@ class FusedModel(layers.Fused):
     def _buckets_rows(self) -> bool:
         """Whether the token rows are bucketed (``padding.bucket_rows``): in CPU inference where oneDNN runs the
         GEMMs, whose memory grows with every distinct row count it sees."""
-        word = self.embeddings.word_embeddings.weight
+        word = self.get_input_embeddings().weight
         return (word.device.type == "cpu" and plans.plannable()
                 and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
                 and dispatch.choose("gemm", word) == "onednn")
@@ -227,10 +225,10 @@ class FusedModel(layers.Fused):
         on the device of the integer inputs), the sizes of their tables, what a range error calls the positions)."""
         input_ids, mask, inputs_embeds = inputs["input_ids"], inputs["attention_mask"], inputs["inputs_embeds"]
         embeddings = self.embeddings
-        token_types = getattr(embeddings, "token_type_embeddings", None)
+        token_types = embeddings.table("token_type")
         # (DistilBERT has none; transformers ignores them too, e.g. a pair tokenizer's)
         token_type_ids = inputs["token_type_ids"] if token_types is not None else None
-        word = embeddings.word_embeddings.weight
+        word = embeddings.table("word").weight
         position_ids = inputs["position_ids"]
         batch, seq_len = validation.check_inputs(
             word, input_ids, mask, token_type_ids, position_ids, inputs_embeds,
@@ -244,7 +242,7 @@ class FusedModel(layers.Fused):
             position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, device)
         if input_ids is None:
             input_ids = torch.zeros_like(token_type_ids)
-        positions = getattr(embeddings, "position_embeddings", None)  # (none in rotary models: any position is valid)
+        positions = embeddings.table("position")  # (none in rotary models: any position is valid)
         limits = [word.shape[0], 1 if token_types is None else token_types.weight.shape[0],
                   validation.UNBOUNDED if positions is None else positions.weight.shape[0]]
         return (input_ids, token_type_ids, position_ids.expand(batch, seq_len)), limits, positions_name

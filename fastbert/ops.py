@@ -68,7 +68,7 @@ def _why_no_kernel(act_fn: nn.Module, activation: str | None) -> str | None:
     return f"activation {type(act_fn).__name__} has no fused kernel (HF's activation module runs)"
 
 
-def _why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> str | None:
+def why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> str | None:
     """Why the fused kernel cannot read these modules' weights (the first one that is not plain), or None."""
     for name, (module, cls) in modules.items():
         if not is_plain(module, cls, device):
@@ -77,7 +77,7 @@ def _why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> s
     return None
 
 
-def _layer_norm_call(layer_norm: nn.Module, device: torch.device):
+def layer_norm_call(layer_norm: nn.Module, device: torch.device):
     """``layer_norm`` as a function of [tokens, hidden]: ``F.layer_norm`` on a plain LayerNorm's weights (no module
     call), the module otherwise."""
     if not is_plain(layer_norm, nn.LayerNorm, device):
@@ -96,13 +96,13 @@ def linear(x: torch.Tensor, dense: nn.Module) -> torch.Tensor:
 def _how_linear(x: torch.Tensor, dense: nn.Module):
     if not is_plain(dense, nn.Linear, x.device):
         return dense
-    gemm = _onednn_gemm(x, dense, dispatch.why_reference(x, dense.weight, dense.bias))
+    gemm = onednn_gemm(x, dense, dispatch.why_reference(x, dense.weight, dense.bias))
     if gemm is not None:
         return gemm
     return lambda x: F.linear(x, dense.weight, dense.bias)
 
 
-def _onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation: str | None = None):
+def onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation: str | None = None):
     """A runner of act(dense(x)), or dense(x) + residual (``run(x, residual)``), through oneDNN with the weight
     prepacked (``kernels/cpu_linear.py``); None where that does not apply: not CPU, a wrapped dense, ``why``
     (gradients, dropout), autocast (which would not reach oneDNN's op), torch.func transforms, a weight that is not
@@ -125,7 +125,7 @@ def _onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation:
 
 
 def onednn_applies(x: torch.Tensor, weights: tuple, why: str | None = None) -> bool:
-    """Whether a CPU GEMM of ``x`` with ``weights`` runs through oneDNN (see ``_onednn_gemm``)."""
+    """Whether a CPU GEMM of ``x`` with ``weights`` runs through oneDNN (see ``onednn_gemm``)."""
     return (
         not torch.compiler.is_compiling()  # (compiled and exported graphs keep F.linear)
         and not dispatch.exporting()
@@ -156,9 +156,9 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
     """LayerNorm(word[ids] + position[pos] + token_type[tt]) -> [tokens, width] (width: the tables' width).
 
     indices: [3, tokens] int64 (word, token type, position), range-checked by ``validation.flat_indices``.
-    embeddings: HF's embeddings module (``word_embeddings``, ``LayerNorm``, ``dropout``, ``position_embeddings``
-    unless positions are rotary, then indices[2] is ignored here, and ``token_type_embeddings`` unless the family has
-    none, as DistilBERT; then indices[1] is ignored).
+    embeddings: HF's embeddings module, a ``layers.FusedEmbeddings`` (its ``table(role)``: the word table, the
+    LayerNorm, the dropout, the position table unless positions are rotary, then indices[2] is ignored here, and the
+    token-type table unless the family has none, as DistilBERT; then indices[1] is ignored).
     inputs_embeds: [tokens, width] replaces the word lookup when given (then indices[0] is ignored).
     """
     op = "embedding" if inputs_embeds is None else "embedding(inputs_embeds)"
@@ -166,14 +166,13 @@ def embedding(indices: torch.Tensor, embeddings: nn.Module, inputs_embeds: torch
 
 
 def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
-    word_embeddings = embeddings.word_embeddings
-    position_embeddings = getattr(embeddings, "position_embeddings", None)
-    token_type_embeddings = getattr(embeddings, "token_type_embeddings", None)
+    word_embeddings, position_embeddings = embeddings.table("word"), embeddings.table("position")
+    token_type_embeddings = embeddings.table("token_type")
+    ln, dropout = embeddings.table("norm"), embeddings.table("dropout")
     word = word_embeddings.weight
     position = None if position_embeddings is None else position_embeddings.weight
     token_type = None if token_type_embeddings is None else token_type_embeddings.weight
-    ln = embeddings.LayerNorm
-    p = embeddings.dropout.p if embeddings.training else 0.0
+    p = dropout.p if embeddings.training else 0.0
     why = dispatch.why_reference(word, position, token_type, ln.weight, ln.bias, inputs_embeds, dropout_p=p)
     if inputs_embeds is not None:
         why = why or "inputs_embeds replaces the fused word-embedding lookup"
@@ -181,7 +180,7 @@ def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
     for name, table in (("position_embeddings", position_embeddings), ("token_type_embeddings", token_type_embeddings)):
         if table is not None:
             tables[name] = (table, nn.Embedding)
-    why = why or _why_not_plain(word.device, **tables)
+    why = why or why_not_plain(word.device, **tables)
     backend, warning = _resolve("embedding", word, why)
 
     if backend == "torch":
@@ -195,7 +194,7 @@ def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
                 x = x + token_type_embeddings(token_type_ids.clamp(0, token_type_embeddings.num_embeddings - 1))
             if position_embeddings is not None:
                 x = x + position_embeddings(position_ids.clamp(0, position_embeddings.num_embeddings - 1))
-            return embeddings.dropout(ln(x))
+            return dropout(ln(x))
 
         return counted(run, warning)
 
@@ -215,13 +214,21 @@ def _how_embedding(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
         else:
             positions = position_embeddings.weight
         fused = _extension.embedding_layer_norm if backend.endswith("-ext") else embedding_kernels.embedding_layer_norm
-        return fused(input_ids, position_ids, token_type_ids, word, positions, types, ln.weight, ln.bias, ln.eps)
+        return fused(input_ids, position_ids, token_type_ids, word, positions, types, ln.weight, ln_bias(ln), ln.eps)
 
     return counted(run, warning)
 
 
 def _zero_row(word: torch.Tensor) -> torch.Tensor:
     return word.new_zeros(1, word.shape[1])
+
+
+def ln_bias(layer_norm: nn.LayerNorm) -> torch.Tensor:
+    """A plain LayerNorm's bias, or zeros for one without (``bias=False``, ModernBERT's): the kernels always add
+    one (a cached [hidden] zero vector costs one load per row; a kernel variant would cost a compile)."""
+    if layer_norm.bias is not None:
+        return layer_norm.bias
+    return derived.cached(layer_norm, "zero_bias", (layer_norm.weight,), torch.zeros_like)
 
 
 # --- attention -----------------------------------------------------------------------------------------------------
@@ -312,17 +319,17 @@ def _how_dense_residual_layer_norm(x, residual, dense, dropout, layer_norm):
     why_gemm = dispatch.why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None), residual,
                                       dropout_p=p)
     why = why_gemm or dispatch.why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
-    why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
+    why = why or why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     backend, warning = _resolve("layer_norm", x, why)
     if backend == "triton":
         ln = layer_norm
         # The GEMM with its 1-D bias (cuBLASLt's bias epilogue, one kernel); the kernel adds the residual and
         # normalizes. (addmm(residual, x, W^T) would first copy the residual into the output: one more kernel.)
         gemm = _how_linear(x, dense)
-        return counted(lambda x, residual: layer_norm_kernels.layer_norm(gemm(x), ln.weight, ln.bias, ln.eps,
+        return counted(lambda x, residual: layer_norm_kernels.layer_norm(gemm(x), ln.weight, ln_bias(ln), ln.eps,
                                                                           residual=residual), warning)
-    norm = _layer_norm_call(layer_norm, x.device)
-    fused = _onednn_gemm(x, dense, why_gemm)  # (only without dropout: it comes before the add)
+    norm = layer_norm_call(layer_norm, x.device)
+    fused = onednn_gemm(x, dense, why_gemm)  # (only without dropout: it comes before the add)
     if fused is not None:
         return counted(lambda x, residual: norm(fused(x, residual)), warning)
     gemm = _how_linear(x, dense)
@@ -351,7 +358,7 @@ def _how_dense_act(x, dense, act_fn):
                             warning)
         return counted(lambda x: activation_kernels.bias_act(F.linear(x, dense.weight), dense.bias, activation),
                         warning)
-    fused = _onednn_gemm(x, dense, why_gemm, activation)
+    fused = onednn_gemm(x, dense, why_gemm, activation)
     if fused is not None:
         return counted(fused if activation is not None else (lambda x: act_fn(fused(x))), warning)
     gemm = _how_linear(x, dense)
@@ -368,18 +375,18 @@ def _how_dense_act_layer_norm(x, dense, act_fn, layer_norm):
     why_gemm = dispatch.why_reference(x, getattr(dense, "weight", None), getattr(dense, "bias", None))
     why = why_gemm or dispatch.why_reference(getattr(layer_norm, "weight", None), getattr(layer_norm, "bias", None))
     why = why or _why_no_kernel(act_fn, activation)
-    why = why or _why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
+    why = why or why_not_plain(x.device, LayerNorm=(layer_norm, nn.LayerNorm))
     backend, warning = _resolve("act_layer_norm", x, why)
     if backend == "triton":
         ln = layer_norm
         if is_plain(dense, nn.Linear, x.device):
-            return counted(lambda x: layer_norm_kernels.layer_norm(F.linear(x, dense.weight), ln.weight, ln.bias,
-                                                                    ln.eps, bias=dense.bias, activation=activation),
-                            warning)
-        return counted(lambda x: layer_norm_kernels.layer_norm(dense(x), ln.weight, ln.bias, ln.eps,
-                                                                activation=activation), warning)
-    norm = _layer_norm_call(layer_norm, x.device)
-    fused = _onednn_gemm(x, dense, why_gemm, activation)
+            return counted(lambda x: layer_norm_kernels.layer_norm(F.linear(x, dense.weight), ln.weight, ln_bias(ln),
+                                                                   ln.eps, bias=dense.bias, activation=activation),
+                           warning)
+        return counted(lambda x: layer_norm_kernels.layer_norm(dense(x), ln.weight, ln_bias(ln), ln.eps,
+                                                               activation=activation), warning)
+    norm = layer_norm_call(layer_norm, x.device)
+    fused = onednn_gemm(x, dense, why_gemm, activation)
     if fused is not None:
         return counted(lambda x: norm(fused(x) if activation is not None else act_fn(fused(x))), warning)
     gemm = _how_linear(x, dense)

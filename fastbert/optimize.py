@@ -93,6 +93,8 @@ def _mark_first_token_readers(model: nn.Module) -> None:
     """Tell each encoder inside a head that reads position 0 which head it is: a left-padded batch is then said
     once (its position 0 is zeros in the padding-free path, see ``FusedModel._note_first_token``)."""
     for head in model.modules():
+        if getattr(getattr(head, "config", None), "classifier_pooling", "cls") == "mean":
+            continue  # (ModernBERT's mean pooling: the zeros at padding are left out of the mean anyway)
         if type(head).__name__.endswith(_FIRST_TOKEN_HEADS):
             for encoder in head.modules():
                 if isinstance(encoder, modeling.FusedModel):

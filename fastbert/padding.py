@@ -25,8 +25,11 @@ class TokenLayout:
     Packed: N = total real tokens in mask order; ``indices`` [N] int64 into the flattened [B * S];
     ``cu_seqlens`` [B + 1] int32 (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); ``seqlens`` the same on host.
     ``spare_rows``: rows after the N tokens that carry nothing (the activations are [N + spare_rows, hidden]).
-    ``rotary``: in a rotary-position model, each row's (cos, sin) tables, float32 [N + spare_rows, head_dim / 2] each
-    (``fastbert/rotary.py``), built once per forward from the rows' positions and read by every layer.
+    ``rotary``: in a rotary-position model, {table name: each row's (cos, sin), float32 [N + spare_rows, head_dim / 2]
+    each} (``fastbert/rotary.py``; ModernBERT has one table per attention type), built once per forward from the
+    rows' positions and read by every layer.
+    ``columns``: packed layout of a model with windowed attention: [N] int32, each token's column in [0, S) (the
+    window is a distance between columns, as in transformers, which holes in the mask make differ from packed rows).
     """
 
     batch: int
@@ -37,7 +40,8 @@ class TokenLayout:
     seqlens: tuple[int, ...] | None = None
     key_bounds: torch.Tensor | None = None
     spare_rows: int = 0
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    columns: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:

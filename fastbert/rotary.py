@@ -18,6 +18,10 @@ from .plan import decided
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
+# The name of a model's only table (GTE, NomicBERT); ModernBERT names its tables by attention type.
+DEFAULT = "default"
+
+
 def why_not_static(rope_type: str | None) -> str | None:
     """Why a rotary embedding of ``rope_type`` (config ``rope_parameters["rope_type"]``) is not accelerated, or None
     when its frequencies are fixed at init (default, linear, yarn, llama3, ...: read from the module's buffers)."""
@@ -26,22 +30,38 @@ def why_not_static(rope_type: str | None) -> str | None:
     return None
 
 
-def tables(rotary_embedding: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' rotary module (``inv_freq`` [D/2] buffer, ``attention_scaling``) and positions [N] -> (cos, sin),
-    float32 [N, D/2] each: the module's own values, half width."""
-    return rope_kernels.rotary_tables(positions, rotary_embedding.inv_freq, rotary_embedding.attention_scaling)
+def tables(rotary_embedding: nn.Module, positions: torch.Tensor, name: str = DEFAULT,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' rotary module and positions [N] -> (cos, sin), float32 [N, D/2] each: the module's own values,
+    half width. It holds ``inv_freq`` [D/2] and ``attention_scaling``, or, with one table per attention type
+    (ModernBERT), ``{name}_inv_freq`` and ``{name}_attention_scaling``."""
+    prefix = "" if name == DEFAULT else f"{name}_"
+    return rope_kernels.rotary_tables(positions, getattr(rotary_embedding, f"{prefix}inv_freq"),
+                                      getattr(rotary_embedding, f"{prefix}attention_scaling"))
 
 
-def rotary(qkv: torch.Tensor, layout: TokenLayout, num_heads: int) -> torch.Tensor:
-    """qkv [rows, 3 * hidden] with q and k rotated by the layout's tables (``layout.rotary``). The Triton kernel
-    rotates in place (qkv is the QKV GEMM's fresh output); the torch path returns a new tensor."""
+def why_not_accelerated(rope_parameters) -> str | None:
+    """Why a config's ``rope_parameters`` (one dict, or one per attention type) is not accelerated, or None."""
+    if not isinstance(rope_parameters, dict):
+        return None
+    per_type = [v for v in rope_parameters.values() if isinstance(v, dict)] or [rope_parameters]
+    return next((why for why in (why_not_static(p.get("rope_type")) for p in per_type) if why), None)
+
+
+def rotary(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, table: str = DEFAULT, owned: bool = True,
+           ) -> torch.Tensor:
+    """qkv [rows, 3 * hidden] with q and k rotated by the layout's tables (``layout.rotary[table]``), in fp32. The
+    Triton kernel rotates in place when qkv is ``owned`` (the fused GEMM's fresh output), a copy otherwise (a
+    module's output, which a hook may hold); the torch path returns a new tensor."""
     backend, warning = decided(None, ("rotary", qkv.requires_grad), _rotary_backend, qkv)
     if warning is not None:
         announce.fallback(warning)
-    cos, sin = layout.rotary
+    cos, sin = layout.rotary[table]
     if backend == "triton":
-        return rope_kernels.rotary_(qkv, cos, sin, num_heads)
-    return rope_kernels.rotary_ref(qkv, cos, sin, num_heads)
+        return rope_kernels.rotary_(qkv if owned else qkv.clone(), cos, sin, num_heads)
+    # fp32 math and one rounding, as the kernel: ModernBERT rotates in fp32 too, GTE and NomicBERT in the activations'
+    # dtype (in fp32 the same values; in 16-bit ours round once where theirs round per operation)
+    return rope_kernels.rotary_ref(qkv, cos, sin, num_heads, upcast=True)
 
 
 def _rotary_backend(qkv: torch.Tensor) -> tuple[str, str | None]:

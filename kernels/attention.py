@@ -5,6 +5,8 @@ Two layouts, both reading Q, K, V straight out of the fused QKV projection throu
   [B] int32 (keys at index >= key_bounds[b] are padding) -> out [B, S, H, D];
 - varlen: qkv [total_tokens, 3, H, D] with cu_seqlens [B + 1] int32 and max_seqlen -> out [total_tokens, H, D].
 Scale 1/sqrt(D). A query whose keys are all masked gets zeros, never NaN.
+Both take an optional window w (ModernBERT's local layers): query i attends only to keys j with |i - j| <= w, i and
+j being indices in [0, S) (padded), or the tokens' columns (varlen: ``columns``, else their offsets in the sequence).
 """
 
 import functools
@@ -20,9 +22,12 @@ def attention_ref(
     key_padding_mask: torch.Tensor | None = None,
     key_bounds: torch.Tensor | None = None,
     upcast: bool = True,
+    window: int | None = None,
+    columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded layout, written out: softmax(q k^T / sqrt(D) + mask) v. A key at index >= key_bounds[b] is masked
-    exactly like a False in key_padding_mask; given both, both apply."""
+    exactly like a False in key_padding_mask; given both, both apply. ``window``: query i sees key j only where
+    |column_i - column_j| <= window, columns being [B, S] ``columns`` or the indices 0 .. S - 1."""
     dtype = qkv.dtype
     if upcast:
         qkv = qkv.float()
@@ -34,19 +39,27 @@ def attention_ref(
         keep = in_bound if keep is None else keep & in_bound
     if keep is not None:
         scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))  # keep as [B, 1, 1, S_k]
+    if window is not None:
+        if columns is None:
+            columns = torch.arange(qkv.shape[1], device=qkv.device)[None, :]
+        near = (columns[:, :, None] - columns[:, None, :]).abs() <= window  # [B or 1, S_q, S_k]
+        scores = scores.masked_fill(~near[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
     return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(dtype)
 
 
 def attention_varlen_ref(
-    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, upcast: bool = True
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, upcast: bool = True, window: int | None = None,
+    columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen layout: each sequence cu_seqlens[i]:cu_seqlens[i+1] attends only to itself."""
+    """Varlen layout: each sequence cu_seqlens[i]:cu_seqlens[i+1] attends only to itself (and, with ``window``, to
+    the keys whose ``columns`` [T] entry, else offset in the sequence, is within ``window`` of the query's)."""
     out = torch.empty_like(qkv[:, 0])
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
-            out[start:end] = attention_ref(qkv[None, start:end], upcast=upcast)[0]
+            cols = None if columns is None else columns[None, start:end].long()
+            out[start:end] = attention_ref(qkv[None, start:end], upcast=upcast, window=window, columns=cols)[0]
     return out
 
 
@@ -90,6 +103,7 @@ def _attention_fwd_kernel(
     MASK,  # pointer to key_padding_mask [B, S], nonzero = real token (read only if HAS_MASK)
     KEY_BOUNDS,  # pointer to key_bounds [B] int32: keys >= key_bounds[b] are padding (read only if HAS_BOUND)
     CU_SEQLENS,  # pointer to cu_seqlens [B + 1] int32, contiguous (read only if VARLEN)
+    COLUMNS,  # pointer to columns [T] int32, contiguous: each token's column (read only if HAS_COLUMNS)
     stride_qkv_b,  # elements between batches of qkv (padded layout; unused when VARLEN)
     stride_qkv_s,  # elements between tokens of qkv
     stride_qkv_h,  # elements between heads of qkv (the head dim itself has stride 1)
@@ -102,10 +116,13 @@ def _attention_fwd_kernel(
     num_heads,  # H
     head_dim,  # D, the real head dim
     qk_scale,  # log2(e) / sqrt(D)
+    window,  # HAS_WINDOW: a query sees the keys within this distance (in columns) only
     HAS_MASK: tl.constexpr,  # read MASK (padded layout only)
     HAS_BOUND: tl.constexpr,  # read KEY_BOUNDS and stop each sequence's key loop there (padded layout only)
     EVEN_N: tl.constexpr,  # every key block is full: padded, seq_len % BLOCK_N == 0, no HAS_BOUND (see launcher)
     VARLEN: tl.constexpr,  # packed layout with CU_SEQLENS instead of [B, S]
+    HAS_WINDOW: tl.constexpr,  # banded attention: skip the key blocks out of reach, mask the keys past ``window``
+    HAS_COLUMNS: tl.constexpr,  # (VARLEN) distances between COLUMNS entries, not between offsets
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 operands: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per inner step
@@ -142,10 +159,20 @@ def _attention_fwd_kernel(
     kv_len = seq_len  # keys [0, kv_len) are visited; blocks past it are never loaded
     if HAS_BOUND:
         kv_len = tl.minimum(seq_len, tl.load(KEY_BOUNDS + batch * stride_bound))
+    kv_start = 0
+    if HAS_WINDOW:  # only the key blocks within `window` of this query block (columns grow at least as fast as
+        # offsets, so a key out of reach by offset is out of reach by column too)
+        kv_start = (tl.maximum(pid_m * BLOCK_M - window, 0) // BLOCK_N) * BLOCK_N
+        kv_len = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M + window)
+        if HAS_COLUMNS:
+            columns = COLUMNS + (start if VARLEN else 0)
+            q_col = tl.load(columns + offs_m, mask=offs_m < seq_len, other=0)
+        else:
+            q_col = offs_m
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scaled scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
-    for start_n in range(0, kv_len, BLOCK_N):
+    for start_n in range(kv_start, kv_len, BLOCK_N):
         keys = start_n + offs_n
         if EVEN_N:  # a constant: the compiler folds it out of the load masks
             in_bound = tl.full([BLOCK_N], 1, tl.int1)
@@ -162,6 +189,11 @@ def _attention_fwd_kernel(
             s = tl.where(real[None, :], s, float("-inf"))
         elif not EVEN_N:  # keys past kv_len were loaded as 0, scoring 0: mask them
             s = tl.where(in_bound[None, :], s, float("-inf"))
+        if HAS_WINDOW:
+            k_col = keys
+            if HAS_COLUMNS:
+                k_col = tl.load(columns + keys, mask=in_bound, other=0)
+            s = tl.where(tl.abs(q_col[:, None] - k_col[None, :]) <= window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
@@ -228,13 +260,17 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # a power of two >= 16 (tl.dot's minimum)
 
 
-def _gpu_config(arch: str, head_dim: int, dtype: torch.dtype) -> dict:
+def _gpu_config(arch: str, head_dim: int, dtype: torch.dtype, columns: bool = False) -> dict:
+    """``columns``: a windowed varlen launch reading token columns. fp32 at D = 128 then takes 4 warps: with 8, the
+    sm_90 build spills 8 bytes per thread ("ieee" products; 4 warps: 160 registers, none)."""
     block_d, dtype_class = _block_d(head_dim), "fp32" if dtype == torch.float32 else "16bit"
     block_m, block_n, num_warps, num_stages = _ATTENTION_CONFIGS[arch, dtype_class, block_d]
+    if columns and dtype_class == "fp32" and block_d == 128:
+        num_warps = 4
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
 
 
-def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, columns: bool = False) -> dict:
     """Block sizes and launch options. No runtime autotuning: it would benchmark on the first call of every shape,
     inside a CUDA-graph capture too. GPU values come from the static table ``_ATTENTION_CONFIGS`` and are not yet
     timed on a GPU. The interpreter takes 16 x 16 blocks (tl.dot's minimum): cheap programs, and short test
@@ -242,7 +278,7 @@ def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device) -
     if interpreting(device):
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=_block_d(head_dim), num_warps=1, num_stages=1)
     index = torch.cuda.current_device() if device.index is None else device.index
-    return _gpu_config(_gpu_arch(index), head_dim, dtype)
+    return _gpu_config(_gpu_arch(index), head_dim, dtype, columns)
 
 
 def _cuda_fp32_matmul_allows_tf32() -> bool:
@@ -280,8 +316,15 @@ def _check_qkv(qkv: torch.Tensor, layout: str) -> None:
     check_last_dim_contiguous("qkv", qkv)
 
 
-def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None):
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be None or a non-negative int (the largest distance attended), got {window!r}")
+
+
+def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None,
+                     window: int | None = None):
     _check_qkv(qkv, "padded")
+    _check_window(window)
     if key_bounds is not None:
         if not isinstance(key_bounds, torch.Tensor) or key_bounds.dtype != torch.int32:
             raise TypeError(f"key_bounds must be an int32 tensor, got "
@@ -301,8 +344,19 @@ def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, k
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but qkv is on {qkv.device}")
 
 
-def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
+def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                            window: int | None = None, columns: torch.Tensor | None = None) -> None:
     _check_qkv(qkv, "varlen")
+    _check_window(window)
+    if columns is not None:
+        if window is None:
+            raise ValueError("columns are the tokens' positions for a window: pass window too")
+        if not isinstance(columns, torch.Tensor) or columns.dtype != torch.int32:
+            raise TypeError(f"columns must be an int32 tensor, got {getattr(columns, 'dtype', type(columns).__name__)}")
+        if tuple(columns.shape) != (qkv.shape[0],) or not columns.is_contiguous():
+            raise ValueError(f"columns must be contiguous [tokens] = ({qkv.shape[0]},), got {tuple(columns.shape)}")
+        if columns.device != qkv.device:
+            raise ValueError(f"columns is on {columns.device} but qkv is on {qkv.device}")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
         raise TypeError(f"cu_seqlens must be an int32 tensor, got "
                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
@@ -315,13 +369,14 @@ def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seq
         raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
 
 
-def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_seqlen, batch, seq_len):
+def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_seqlen, batch, seq_len, window=None,
+                      columns=None):
     """The launch both layouts share; their launchers below have checked the arguments and allocated ``out``."""
     varlen = cu_seqlens is not None
     heads, head_dim = qkv.shape[-2], qkv.shape[-1]
     if out.numel() == 0 or batch == 0 or max_seqlen == 0:
         return out
-    config = _attention_config(head_dim, qkv.dtype, qkv.device)
+    config = _attention_config(head_dim, qkv.dtype, qkv.device, columns is not None)
     q, k, v = qkv.unbind(-3)  # views: same strides, pointers one "3" stride apart
     mask, bounds = key_padding_mask, key_bounds
     # Full key blocks need no bound check. 16-bit only: fp32 is the exact path, not the fast one, and its EVEN_N
@@ -336,6 +391,7 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
         qkv if mask is None else mask,  # dummy pointers when absent: never read
         qkv if bounds is None else bounds,
         qkv if cu_seqlens is None else cu_seqlens,
+        qkv if columns is None else columns,
         0 if varlen else qkv.stride(0),
         qkv.stride(-4),
         qkv.stride(-2),
@@ -348,58 +404,65 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
         heads,
         head_dim,
         math.log2(math.e) / math.sqrt(head_dim),
+        0 if window is None else window,
         HAS_MASK=mask is not None,
         HAS_BOUND=bounds is not None,
         EVEN_N=even_n,
         VARLEN=varlen,
+        HAS_WINDOW=window is not None,
+        HAS_COLUMNS=columns is not None,
         INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
         **config,
     )
     return out
 
 
-def _attention_padded_launch(qkv, key_padding_mask, key_bounds) -> torch.Tensor:
-    _check_attention(qkv, key_padding_mask, key_bounds)
+def _attention_padded_launch(qkv, key_padding_mask, key_bounds, window=None) -> torch.Tensor:
+    _check_attention(qkv, key_padding_mask, key_bounds, window)
     batch, seq_len, _, heads, head_dim = qkv.shape
     out = torch.empty((batch, seq_len, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    return _attention_launch(qkv, out, key_padding_mask, key_bounds, None, seq_len, batch, seq_len)
+    return _attention_launch(qkv, out, key_padding_mask, key_bounds, None, seq_len, batch, seq_len, window)
 
 
-def _attention_varlen_launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    _check_attention_varlen(qkv, cu_seqlens, max_seqlen)
+def _attention_varlen_launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window=None,
+                             columns=None) -> torch.Tensor:
+    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns)
     tokens, _, heads, head_dim = qkv.shape
     out = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    return _attention_launch(qkv, out, None, None, cu_seqlens, max_seqlen, cu_seqlens.shape[0] - 1, 0)
+    return _attention_launch(qkv, out, None, None, cu_seqlens, max_seqlen, cu_seqlens.shape[0] - 1, 0, window,
+                             columns)
 
 
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def _attention_op(
-    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None
+    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None, window: int | None
 ) -> torch.Tensor:
-    return _attention_padded_launch(qkv, key_padding_mask, key_bounds)
+    return _attention_padded_launch(qkv, key_padding_mask, key_bounds, window)
 
 
 @_attention_op.register_fake
-def _(qkv, key_padding_mask, key_bounds):
-    _check_attention(qkv, key_padding_mask, key_bounds)
+def _(qkv, key_padding_mask, key_bounds, window):
+    _check_attention(qkv, key_padding_mask, key_bounds, window)
     batch, seq_len, _, heads, head_dim = qkv.shape
     return qkv.new_empty((batch, seq_len, heads, head_dim))
 
 
 @torch.library.custom_op("fastbert::attention_varlen", mutates_args=())
-def _attention_varlen_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen)
+def _attention_varlen_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None,
+                         columns: torch.Tensor | None) -> torch.Tensor:
+    return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen, window, columns)
 
 
 @_attention_varlen_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen):
-    _check_attention_varlen(qkv, cu_seqlens, max_seqlen)
+def _(qkv, cu_seqlens, max_seqlen, window, columns):
+    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns)
     tokens, _, heads, head_dim = qkv.shape
     return qkv.new_empty((tokens, heads, head_dim))
 
 
 def attention(
-    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None, key_bounds: torch.Tensor | None = None
+    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None, key_bounds: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Padded layout: qkv [B, S, 3, H, D], key_padding_mask [B, S] bool (True = real token) or None, key_bounds [B]
     int32 or None -> out [B, S, H, D], contiguous, qkv's dtype. Same semantics as ``attention_ref``.
@@ -409,19 +472,25 @@ def attention(
     the output is bit-identical to the mask alone, and trailing padding costs no key-loop work. Given without a mask,
     key_bounds stand for a right-padded prefix mask (keys 0 .. key_bounds[b] - 1 real): the same output, bit for bit,
     and no mask is read at all.
+    window: None, or an int >= 0: query i attends only to keys j with |i - j| <= window; the key blocks out of reach
+    are never loaded.
 
     qkv is read through its strides (typically ``gemm_out.view(B, S, 3, H, D)`` of the fused QKV projection
     [B*S, 3*H*D]; only the head dim must have stride 1): no transpose copy. D <= 128, any value. Padded query rows
     are computed too (they attend to the real keys); a row whose keys are all masked is zeros.
     fp32 on CUDA multiplies in TF32 only where torch allows it for fp32 matmuls (``allow_tf32``/``fp32_precision``).
     """
-    return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask, key_bounds)
+    return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask, key_bounds, window)
 
 
-def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None = None,
+                     columns: torch.Tensor | None = None) -> torch.Tensor:
     """Packed layout: qkv [T, 3, H, D] (strided like ``attention``), cu_seqlens [B + 1] int32, contiguous, with
     cu_seqlens[0] = 0, cu_seqlens[-1] = T, non-decreasing (empty sequences allowed), max_seqlen >= the longest
     sequence (not checked: that would need a device sync; rows past max_seqlen would be left unwritten)
     -> out [T, H, D], contiguous. Same semantics as ``attention_varlen_ref``.
+    window: as ``attention``'s, the distance measured between ``columns`` (int32 [T], contiguous, non-decreasing
+    within each sequence: the tokens' columns in the padded batch, which holes in a mask make differ from their
+    offsets) or, without them, between offsets in the sequence.
     """
-    return launch_or_op(_attention_varlen_launch, _attention_varlen_op, qkv, cu_seqlens, max_seqlen)
+    return launch_or_op(_attention_varlen_launch, _attention_varlen_op, qkv, cu_seqlens, max_seqlen, window, columns)

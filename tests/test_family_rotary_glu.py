@@ -1,7 +1,8 @@
-"""The rotary + GLU families (GTE, NomicBERT) next to transformers beyond the per-family checks of test_families.py:
-the real checkpoints' widths (gte-base-en-v1.5, nomic-embed-text-v1.5: head dim 64, intermediate 3072) in float32
-and bfloat16, positions as given, a length-dependent RoPE left to transformers and said, LoRA on the projections the
-fused path stacks (and merged back), gradients, and sentence-transformers / CrossEncoder models (GTE).
+"""The rotary + GLU families (GTE, NomicBERT, ModernBERT) next to transformers beyond the per-family checks of
+test_families.py: the real checkpoints' widths (gte-base-en-v1.5, nomic-embed-text-v1.5, ModernBERT-base: head
+dim 64) in float32 and bfloat16, positions as given, a length-dependent RoPE left to transformers and said, LoRA
+on the projections the fused path stacks (and merged back), gradients, and sentence-transformers / CrossEncoder
+models (GTE).
 Random weights (conftest's ``_randomize_``); the comparison rule is conftest's."""
 
 import copy
@@ -15,8 +16,8 @@ from test_model_parity import mixed_mask
 import fastbert
 from conftest import _randomize_
 
-pytest.importorskip("transformers.models.gte")
-pytest.importorskip("transformers.models.nomic_bert")
+if not (hasattr(fastbert, "GteModel") and hasattr(fastbert, "NomicBertModel")):
+    pytest.skip("GTE and NomicBERT need transformers 5.x", allow_module_level=True)
 
 # family -> its checkpoints' widths at 2 layers: gte-base-en-v1.5 (theta 500000, no token types, GeGLU with biases),
 # nomic-embed-text-v1.5 (theta 1000, 2 token types, SwiGLU, no biases)
@@ -26,14 +27,20 @@ WIDTHS = {
     "nomic-bert": (transformers.NomicBertConfig, dict(type_vocab_size=2, hidden_act="silu",
                                                       rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
 }
+if hasattr(fastbert, "ModernBertModel"):
+    # ModernBERT-base: intermediate 1152, window +-64, global theta 160000 / local 10000; layer 0 global, 1 local
+    WIDTHS["modernbert"] = (transformers.ModernBertConfig, dict(
+        intermediate_size=1152, local_attention=128, global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2, attention_dropout=0.0, mlp_dropout=0.0,
+        embedding_dropout=0.0))
 FAMILIES = list(WIDTHS)
 
 
 def family_config(family="gte", **overrides):
     config_class, own = WIDTHS[family]
     values = dict(vocab_size=99, hidden_size=768, num_attention_heads=12, num_hidden_layers=2, intermediate_size=3072,
-                  max_position_embeddings=8192, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **own)
-    return config_class(**{**values, **overrides})
+                  max_position_embeddings=8192, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return config_class(**{**values, **own, **overrides})
 
 
 def small_config(family="gte", **overrides):
@@ -41,16 +48,18 @@ def small_config(family="gte", **overrides):
 
 
 def base_model_class(config):
-    return transformers.GteModel if isinstance(config, transformers.GteConfig) else transformers.NomicBertModel
+    return getattr(transformers, type(config).__name__.removesuffix("Config") + "Model")
 
 
 def trio(config, model_class=None, dtype=torch.float32, unpad=True):
-    """(fastbert, HF, HF float64 eager) with the same random weights; ``model_class`` a head (then optimized)."""
+    """(fastbert, HF, HF float64 eager; SDPA for ModernBERT) with the same random weights; ``model_class`` a head
+    (then optimized)."""
     torch.manual_seed(0)
     hf = (model_class or base_model_class(config))(config).eval()
     _randomize_(hf, 0)
     ref = copy.deepcopy(hf).double()
-    ref.set_attn_implementation("eager")
+    if not isinstance(config, getattr(transformers, "ModernBertConfig", ())):  # (see test_families.trio)
+        ref.set_attn_implementation("eager")
     fast = fastbert.optimize(copy.deepcopy(hf))
     fast.base_model.unpad = unpad
     return fast.to(dtype), hf.to(dtype), ref
@@ -74,7 +83,7 @@ def test_real_widths_match_hf(family, dtype, unpad, assert_matches_hf):
     """Right/left padding, holes, single-token rows; positions to 37; every hidden state; bf16 within 2x HF's own
     error against float64."""
     fast, hf, ref = trio(family_config(family), dtype=dtype, unpad=unpad)
-    input_ids, mask = inputs(7, 37)
+    input_ids, mask = inputs(7, 150 if family == "modernbert" else 37)  # (ModernBERT: longer than its window)
     fallbacks = fastbert.announce.seen()
     outs = run((fast, hf, ref), input_ids, attention_mask=mask, output_hidden_states=True)
     assert fastbert.announce.seen() == fallbacks, "transformers' forward ran"
@@ -102,8 +111,10 @@ def test_positions_as_given(family, assert_matches_hf):
 def test_length_dependent_rope_runs_transformers(family):
     """Dynamic NTK (nomic-embed-text-v1.5's long-context setting) changes the frequencies with the input's length:
     transformers' forward runs, and it is said."""
-    config = small_config(family, max_position_embeddings=16,
-                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    if family == "modernbert":  # (one table per attention type; the local one dynamic)
+        dynamic = {"full_attention": {"rope_type": "default", "rope_theta": 160000.0}, "sliding_attention": dynamic}
+    config = small_config(family, max_position_embeddings=16, rope_parameters=dynamic)
     with pytest.warns(RuntimeWarning, match="rope_type 'dynamic'"):
         fast, hf, _ = trio(config)
     input_ids = torch.randint(1, 99, (2, 40))  # past max_position_embeddings: the frequencies change
@@ -114,13 +125,15 @@ def test_length_dependent_rope_runs_transformers(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_on_stacked_projections_then_merged(family, assert_matches_hf):
-    """LoRA on q_proj, gate_proj and up_proj (which the fused path stacks into one GEMM each): the wrapped modules
-    are called; after merge_and_unload the stacked weights are rebuilt from the merged ones."""
+    """LoRA on q_proj, gate_proj and up_proj (which the fused path stacks into one GEMM each; ModernBERT's own fused
+    Wqkv and Wi): the wrapped modules are called; after merge_and_unload the stacked weights are rebuilt from the
+    merged ones (ModernBERT's packed oneDNN weights likewise)."""
     peft = pytest.importorskip("peft")
     fast, hf, ref = trio(small_config(family))
     input_ids, mask = inputs(4, 11)
     run((fast,), input_ids, attention_mask=mask)  # stacked caches built before the wrap
-    lora = peft.LoraConfig(target_modules=["q_proj", "gate_proj", "up_proj"], r=4, init_lora_weights=False)
+    targets = ["Wqkv", "Wi"] if family == "modernbert" else ["q_proj", "gate_proj", "up_proj"]
+    lora = peft.LoraConfig(target_modules=targets, r=4, init_lora_weights=False)
     models = []
     for model in (fast, hf, ref):
         torch.manual_seed(1)
@@ -129,7 +142,7 @@ def test_lora_on_stacked_projections_then_merged(family, assert_matches_hf):
     outs = run(models, input_ids, attention_mask=mask)
     assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
     merged = [m.merge_and_unload() for m in models]
-    assert type(merged[0].layers[0].mlp.gate_proj) is torch.nn.Linear
+    assert type(getattr(merged[0].layers[0].mlp, "Wi" if family == "modernbert" else "gate_proj")) is torch.nn.Linear
     outs = run(merged, input_ids, attention_mask=mask)
     assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
 

@@ -210,6 +210,46 @@ def test_attention_varlen_matches_padded(device):
     torch.testing.assert_close(packed, padded[mask], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 1, 3, 20, 100])
+@pytest.mark.parametrize("seq_len", [1, 17, 50])
+def test_attention_window_padded(device, dtype, seq_len, window):
+    """Banded attention (|i - j| <= window) with every mask shape and its key bounds: windows narrower than a block,
+    a few blocks wide, and wider than the sequence; sequences longer than the window."""
+    skip_bf16_on_interpreter(dtype, device)
+    mask = mixed_mask(seq_len, device)
+    qkv = fused_qkv(4 * seq_len, 26, dtype, device).view(4, seq_len, 3, HEADS, 26)
+    for bounds in (None, bounds_of(mask)):
+        out = attention(qkv, mask, bounds, window)
+        ref32 = attention_ref(qkv.float(), mask, bounds, window=window)
+        assert_close_to_ref(out, ref32, attention_ref(qkv, mask, bounds, upcast=False, window=window),
+                            fp32_tol=FP32_TOL)
+    if window >= seq_len:  # every key within reach: the unbanded result
+        torch.testing.assert_close(out, attention(qkv, mask, bounds), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 2, 19])
+def test_attention_window_varlen(device, dtype, window):
+    """Packed sequences with a window, measured between offsets, and between columns where the mask had holes (the
+    tokens' places in the padded batch): the packed result equals the padded one, row for row."""
+    skip_bf16_on_interpreter(dtype, device)
+    mask = mixed_mask(40, device)[:3]  # right padding, left padding, holes
+    lengths = mask.sum(dim=1).tolist()
+    cu_seqlens = cu_seqlens_of(lengths, device)
+    padded_qkv = fused_qkv(3 * 40, 26, dtype, device).view(3, 40, 3, HEADS, 26)
+    qkv = padded_qkv[mask]  # [T, 3, H, D]
+    columns = torch.arange(40, device=device).expand(3, 40)[mask].to(torch.int32)
+    out = attention_varlen(qkv, cu_seqlens, max(lengths), window, columns)
+    ref32 = attention_varlen_ref(qkv.float(), cu_seqlens, max(lengths), window=window, columns=columns)
+    same_dtype = attention_varlen_ref(qkv, cu_seqlens, max(lengths), upcast=False, window=window, columns=columns)
+    assert_close_to_ref(out, ref32, same_dtype, fp32_tol=FP32_TOL)
+    torch.testing.assert_close(ref32, attention_ref(padded_qkv.float(), mask, window=window)[mask])
+    offsets = attention_varlen(qkv, cu_seqlens, max(lengths), window)  # columns = offsets: rows 0 and 1 only
+    rows = cu_seqlens[2].item()
+    torch.testing.assert_close(offsets[:rows], out[:rows], rtol=0, atol=0)
+
+
 def test_attention_empty(device):
     qkv = fused_qkv(0, 16, torch.float32, device)
     assert attention(qkv.view(0, 5, 3, HEADS, 16)).shape == (0, 5, HEADS, 16)
@@ -264,15 +304,19 @@ def test_attention_config_asks_the_arch_once_per_cuda_device(monkeypatch):
         _gpu_arch.cache_clear()  # forget the fake capabilities
 
 
-# Every kernel variant the launchers run: name -> (HAS_MASK, HAS_BOUND, EVEN_N, VARLEN); EVEN_N for 16-bit only.
+# Every kernel variant the launchers run: name -> (HAS_MASK, HAS_BOUND, EVEN_N, VARLEN, HAS_WINDOW, HAS_COLUMNS);
+# EVEN_N for 16-bit only.
 KERNEL_VARIANTS = {
-    "no mask": (False, False, False, False),  # fp32, or 16-bit with S not a multiple of BLOCK_N
-    "mask": (True, False, False, False),
-    "mask+bounds": (True, True, False, False),  # the dense masked path (unpad=False, torch.compile, CUDA graphs)
-    "bounds": (False, True, False, False),  # a right-padded prefix mask passed as key_bounds alone
-    "varlen": (False, False, False, True),
-    "even_n": (False, False, True, False),
-    "even_n+mask": (True, False, True, False),
+    "no mask": (False, False, False, False, False, False),  # fp32, or 16-bit with S not a multiple of BLOCK_N
+    "mask": (True, False, False, False, False, False),
+    "mask+bounds": (True, True, False, False, False, False),  # the dense masked path (unpad=False, compile, graphs)
+    "bounds": (False, True, False, False, False, False),  # a right-padded prefix mask passed as key_bounds alone
+    "varlen": (False, False, False, True, False, False),
+    "even_n": (False, False, True, False, False, False),
+    "even_n+mask": (True, False, True, False, False, False),
+    # ModernBERT's local layers: packed (columns), and dense with mask + bounds
+    "varlen+window": (False, False, False, True, True, True),
+    "mask+bounds+window": (True, True, False, False, True, False),
 }
 
 
@@ -286,18 +330,18 @@ def test_attention_compiles_for_h100(dtype, precision, head_dim):
     (no GPU needed; compile_for_gpu specializes like a launch, which changes register allocation). Every variant in
     KERNEL_VARIANTS; the padded ones without EVEN_N at S = 128 and at S = 100 (a length that is not a multiple of 16
     specializes differently, and is what sends a 16-bit batch without bounds to the checked loop)."""
-    config = _gpu_config("sm90", head_dim, dtype)
     qkv, mask, i32 = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int32)
     hidden = 12 * head_dim
-    for name, (has_mask, has_bound, even_n, varlen) in KERNEL_VARIANTS.items():
+    for name, (has_mask, has_bound, even_n, varlen, has_window, has_columns) in KERNEL_VARIANTS.items():
         if even_n and dtype == torch.float32:
             continue
+        config = _gpu_config("sm90", head_dim, dtype, has_columns)
         for seq_len in [0] if varlen else [128] if even_n else [100, 128]:
             compiled = compile_for_gpu(
-                _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32,
+                _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32, i32,
                 seq_len * 3 * hidden, 3 * hidden, head_dim, hidden, head_dim, seq_len, 1, 1,
-                seq_len, 12, head_dim, 0.18, HAS_MASK=has_mask, HAS_BOUND=has_bound, EVEN_N=even_n,
-                VARLEN=varlen, INPUT_PRECISION=precision, **config,
+                seq_len, 12, head_dim, 0.18, 64, HAS_MASK=has_mask, HAS_BOUND=has_bound, EVEN_N=even_n,
+                VARLEN=varlen, HAS_WINDOW=has_window, HAS_COLUMNS=has_columns, INPUT_PRECISION=precision, **config,
             )
             assert compiled.metadata.shared <= 227 * 1024
             resources = cubin_resources(compiled)
@@ -309,10 +353,29 @@ def test_attention_compiles_for_h100(dtype, precision, head_dim):
 def test_attention_opcheck():
     """torch.library's checks of both registered ops: schema, fake (meta) impl, autograd registration, AOT dispatch."""
     qkv = fused_qkv(10, 16, torch.float32, "cpu")
-    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), mixed_mask(5, "cpu")[:2], None))
+    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), mixed_mask(5, "cpu")[:2], None, None))
     bounds = torch.tensor([3, 5], dtype=torch.int32)
-    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), None, bounds))
-    torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens_of([3, 0, 7], "cpu"), 7))
+    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), None, bounds, 2))
+    cu_seqlens = cu_seqlens_of([3, 0, 7], "cpu")
+    torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens, 7, None, None))
+    columns = torch.tensor([0, 1, 4, 0, 2, 3, 5, 6, 8, 9], dtype=torch.int32)
+    torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens, 7, 1, columns))
+
+
+def test_attention_window_errors():
+    qkv = fused_qkv(10, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="window must be None or a non-negative int .*, got -1"):
+        attention(qkv.view(2, 5, 3, HEADS, 16), window=-1)
+    with pytest.raises(ValueError, match="window must be None or a non-negative int .*, got True"):
+        attention(qkv.view(2, 5, 3, HEADS, 16), window=True)
+    packed, cu_seqlens = qkv.view(10, 3, HEADS, 16), cu_seqlens_of([5, 5], "cpu")
+    columns = torch.arange(10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="columns are the tokens' positions for a window: pass window too"):
+        attention_varlen(packed, cu_seqlens, 5, None, columns)
+    with pytest.raises(TypeError, match="columns must be an int32 tensor, got torch.int64"):
+        attention_varlen(packed, cu_seqlens, 5, 2, columns.long())
+    with pytest.raises(ValueError, match=r"columns must be contiguous \[tokens\] = \(10,\), got \(9,\)"):
+        attention_varlen(packed, cu_seqlens, 5, 2, columns[:9])
 
 
 def test_attention_errors():

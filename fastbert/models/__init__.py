@@ -5,6 +5,8 @@ the example to copy; ``gte.py`` for rotary positions and a GLU MLP) and list it 
 
 import importlib.util
 
+import transformers
+
 from . import bert, camembert, distilbert, electra, roberta, xlm_roberta
 from .bert import BertModel
 from .camembert import CamembertModel
@@ -17,11 +19,12 @@ FAMILIES = [bert, roberta, xlm_roberta, camembert, electra, distilbert]
 MODELS = [BertModel, RobertaModel, XLMRobertaModel, CamembertModel, ElectraModel, DistilBertModel]
 # Families the installed transformers lacks: our class name -> why it is unavailable.
 UNAVAILABLE = {}
-# The rotary + GLU families of transformers 5.x, where the installed version has them: (transformers' package,
-# our model class) each; our module has the package's name.
-for _package, _model in (("gte", "GteModel"), ("nomic_bert", "NomicBertModel")):
-    if importlib.util.find_spec(f"transformers.models.{_package}") is None:
-        UNAVAILABLE[_model] = f"the installed transformers has no transformers.models.{_package}"
+# The rotary + GLU families, where the installed transformers has them as in 5.x (transformers 4.x's ModernBERT is
+# another module tree): (transformers' package, our model class) each; our module has the package's name.
+_TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+for _package, _model in (("gte", "GteModel"), ("nomic_bert", "NomicBertModel"), ("modernbert", "ModernBertModel")):
+    if not _TRANSFORMERS_5 or importlib.util.find_spec(f"transformers.models.{_package}") is None:
+        UNAVAILABLE[_model] = f"needs transformers 5.x with transformers.models.{_package}"
         continue
     FAMILIES.append(importlib.import_module(f".{_package}", __name__))
     MODELS.append(getattr(FAMILIES[-1], _model))

@@ -66,5 +66,5 @@ class RotaryGluModel(modeling.FusedModel):
         return None  # rotary positions: no table bounds the length (nor does transformers)
 
     def encode(self, x, indices, layout, keep):
-        layout = dataclasses.replace(layout, rotary=rotary.tables(self.rotary_emb, indices[2]))
+        layout = dataclasses.replace(layout, rotary={rotary.DEFAULT: rotary.tables(self.rotary_emb, indices[2])})
         return layers.run_layers(self, self.layers[: self.config.num_hidden_layers], x, layout, keep)

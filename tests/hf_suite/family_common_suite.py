@@ -1,7 +1,7 @@
 """transformers' *common* model tests (``ModelTesterMixin``, ~300 tests per model class) for the other families
-fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE and NomicBERT, every head class of
-each, on tiny configs of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model test files are
-not in its sdist).
+fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT and ModernBERT, every
+head class of each, on tiny configs of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model
+test files are not in its sdist).
 
 ``run.py`` copies this file next to ``bert_common_suite.py`` in the tree it prepares. The model classes are looked up
 on ``transformers`` when this module is imported, i.e. after the ``fastbert_standin`` plugin has rebound them.
@@ -132,3 +132,18 @@ class FastbertNomicBertCommonTest(ModelTesterMixin, unittest.TestCase):
     def setUp(self):
         # GTE's block without biases, SwiGLU
         self.model_tester = TinyTester(self, transformers.NomicBertConfig, 2, **_BERT_SHAPED, type_vocab_size=2)
+
+
+@require_torch
+class FastbertModernBertCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = _classes("ModernBert")
+
+    def setUp(self):
+        # pre-norm, local layers with a window of +-2 (shorter than the test sequences), no token types
+        self.model_tester = TinyTester(
+            self, transformers.ModernBertConfig, 1, vocab_size=TinyTester.vocab_size,
+            hidden_size=TinyTester.hidden_size, num_hidden_layers=TinyTester.num_hidden_layers,
+            num_attention_heads=TinyTester.num_attention_heads, intermediate_size=TinyTester.intermediate_size,
+            max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=1, cls_token_id=1, sep_token_id=1, attention_dropout=0.1, mlp_dropout=0.1,
+        )

@@ -1,5 +1,6 @@
 """pytest plugin: run transformers' own model tests with fastbert standing in for transformers' BERT-family models
-(``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``, ``GteModel``, ``NomicBertModel``).
+(``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``, ``GteModel``,
+``NomicBertModel``, ``ModernBertModel``).
 
 Load it with ``-p fastbert_standin`` (this directory on PYTHONPATH) and pick the mode with an environment variable:
 
@@ -51,6 +52,7 @@ FAMILIES = (
     ("distilbert", "modeling_distilbert", "DistilBertModel"),
     ("gte", "modeling_gte", "GteModel"),
     ("nomic_bert", "modeling_nomic_bert", "NomicBertModel"),
+    ("modernbert", "modeling_modernbert", "ModernBertModel"),
 )
 
 

@@ -32,7 +32,8 @@ HERE = Path(__file__).resolve().parent
 MODES = ("none", "rebind", "optimize")
 # transformers' per-model test files, run when the tree has them (a checkout; the sdist does not ship them)
 MODEL_TESTS = tuple(f"tests/models/{family}/test_modeling_{family}.py"
-                    for family in ("bert", "roberta", "xlm_roberta", "camembert", "electra", "distilbert", "gte", "nomic_bert"))
+                    for family in ("bert", "roberta", "xlm_roberta", "camembert", "electra", "distilbert", "gte", "nomic_bert",
+                                   "modernbert"))
 OWN_SUITES = ("bert_common_suite.py", "family_common_suite.py")
 FAILING = ("failed", "error")
 
