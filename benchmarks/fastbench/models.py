@@ -23,6 +23,7 @@ FAMILIES = {
     "distilbert": ("DistilBertConfig", "DistilBertModel"),
     "gte": ("GteConfig", "GteModel"),
     "modernbert": ("ModernBertConfig", "ModernBertModel"),
+    "nomic-bert": ("NomicBertConfig", "NomicBertModel"),
 }
 
 
@@ -71,6 +72,19 @@ MODELS: dict[str, ModelSpec] = {
                                       intermediate_size=1152, max_position_embeddings=8192, local_attention=128,
                                       global_attn_every_n_layers=3, pad_token_id=50283, bos_token_id=50281,
                                       eos_token_id=50282, cls_token_id=50281, sep_token_id=50282),
+                                 max_seq_len=8192),
+    "nomic-base": ModelSpec("nomic-bert", "NomicBertModel, nomic-embed-text-v1.5 sizes: 12 layers, H=768, 12 heads, "
+                            "I=3072 (SwiGLU), no biases, rotary theta 1000; random weights",
+                            dict(vocab_size=30528, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                 intermediate_size=3072, max_position_embeddings=8192, type_vocab_size=2,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+                            max_seq_len=8192),
+    "modernbert-tiny": ModelSpec("modernbert", "ModernBertModel, 3 layers, H=128, 2 heads, I=192, a 8-token window; "
+                                 "random weights (smoke tests)",
+                                 dict(vocab_size=30528, hidden_size=128, num_hidden_layers=3, num_attention_heads=2,
+                                      intermediate_size=192, max_position_embeddings=8192, local_attention=8,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                      sep_token_id=2),
                                  max_seq_len=8192),
     "gte-tiny": ModelSpec("gte", "GteModel, 2 layers, H=128, 2 heads, I=256; random weights (smoke tests)",
                           dict(vocab_size=30528, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
