@@ -107,6 +107,14 @@ def _bias_act_kernel(
 _TILE = 4096
 
 
+def tile_grid(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
+    """(BLOCK_M, BLOCK_N, grid) of an elementwise kernel over [n_rows, n_cols] in tiles of about ``_TILE`` elements:
+    up to 1024 columns per program, as many rows as fill the tile."""
+    block_n = min(triton.next_power_of_2(n_cols), 1024)
+    block_m = max(1, _TILE // block_n)
+    return block_m, block_n, (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+
+
 def _check_bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> str:
     kind = activation_kind(activation)
     check_float("x", x)
@@ -125,9 +133,7 @@ def _bias_act_launch(x: torch.Tensor, bias: torch.Tensor | None, activation: str
     if out.numel() == 0:
         return out
     bias = None if bias is None else bias.contiguous()  # [features]: a no-op for an nn.Parameter
-    block_n = min(triton.next_power_of_2(n_cols), 1024)
-    block_m = max(1, _TILE // block_n)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    block_m, block_n, grid = tile_grid(n_rows, n_cols)
     for_device(_bias_act_kernel, x.device)[grid](
         x,
         x if bias is None else bias,  # a dummy pointer when there is no bias: never read

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import check_float, check_last_dim_contiguous, check_like, for_device, launch_or_op, tl, triton
-from .activation import _TILE, _apply_activation
+from .activation import _apply_activation, tile_grid
 
 # HF ``hidden_act`` name -> the function the kernel computes. The GELU names mean what they mean in activation.py;
 # "silu" and "swish" (NomicBERT's SwiGLU) are both torch's SiLU in transformers.
@@ -151,9 +151,7 @@ def _glu_launch(x: torch.Tensor, bias: torch.Tensor | None, activation: str, act
     if out.numel() == 0:
         return out
     bias = None if bias is None else bias.contiguous()  # [2 * I]: a no-op for an nn.Parameter
-    block_n = min(triton.next_power_of_2(n_cols), 1024)
-    block_m = max(1, _TILE // block_n)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    block_m, block_n, grid = tile_grid(n_rows, n_cols)
     for_device(_glu_kernel, x.device)[grid](
         x,
         x if bias is None else bias,  # a dummy pointer when there is no bias: never read

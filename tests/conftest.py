@@ -21,8 +21,9 @@ import transformers
 import fastbert
 
 # This machine's GEMM measurements (fastbert/cpu.py) go to a folder of the test session's own: tests and the
-# processes they start share it, and nothing outside is read or written.
-os.environ["FASTBERT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastbert-cache-")
+# processes they start share it, nothing outside is read or written, and it is removed when the session ends.
+_CACHE_DIR = tempfile.TemporaryDirectory(prefix="fastbert-cache-")
+os.environ["FASTBERT_CACHE_DIR"] = _CACHE_DIR.name
 
 # dtype -> (atol of the 2x rule, max |fastbert - HF| in that dtype or None)
 MODEL_TOLERANCES = {

@@ -379,9 +379,14 @@ def xlmr_checkpoints(tmp_path_factory):
         intermediate_size=160, max_position_embeddings=130, type_vocab_size=1, pad_token_id=tokenizer.pad_token_id,
         num_labels=1,
     )
+    return save_checkpoints(tmp_path_factory, config, tokenizer, transformers.XLMRobertaModel,
+                            transformers.XLMRobertaForSequenceClassification)
+
+
+def save_checkpoints(tmp_path_factory, config, tokenizer, embedder: type, reranker: type) -> dict:
+    """{"embedder": folder, "reranker": folder}: random-weight checkpoints of the two classes, with the tokenizer."""
     paths = {}
-    for name, model_class in (("embedder", transformers.XLMRobertaModel),
-                              ("reranker", transformers.XLMRobertaForSequenceClassification)):
+    for name, model_class in (("embedder", embedder), ("reranker", reranker)):
         torch.manual_seed(0)
         model = model_class(config)
         _randomize_(model, 0)
@@ -395,29 +400,37 @@ SENTENCES = ["A man is eating food.", "A man is riding a white horse on an enclo
              "Two men pushed carts through the woods, talking about the weather and the long road ahead of them."]
 
 
-def test_sentence_transformer_xlm_roberta(xlmr_checkpoints):
+def check_sentence_transformer(path, ours: type) -> None:
+    """A SentenceTransformer loaded from ``path``: optimize() puts ``ours`` inside, embeddings unchanged, no fallback."""
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    model = sentence_transformers.SentenceTransformer(str(xlmr_checkpoints["embedder"]), device="cpu")
-    before = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
+    model = sentence_transformers.SentenceTransformer(str(path), device="cpu")
+    check_optimized(model, ours, lambda: model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True))
+
+
+def check_cross_encoder(path, ours: type) -> None:
+    """A CrossEncoder loaded from ``path``: optimize() puts ``ours`` inside, scores unchanged, no fallback."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.CrossEncoder(str(path), device="cpu")
+    pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[3]), (SENTENCES[3], SENTENCES[0])]
+    check_optimized(model, ours, lambda: torch.as_tensor(model.predict(pairs, batch_size=len(pairs))))
+
+
+def check_optimized(model, ours: type, outputs) -> None:
+    before = outputs()
     assert fastbert.optimize(model) is model
-    assert any(isinstance(m, fastbert.XLMRobertaModel) for m in model.modules())
+    assert any(isinstance(m, ours) for m in model.modules())
     fallbacks = fastbert.announce.seen()
-    after = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
+    after = outputs()
     assert fastbert.announce.seen() == fallbacks
     torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+
+
+def test_sentence_transformer_xlm_roberta(xlmr_checkpoints):
+    check_sentence_transformer(xlmr_checkpoints["embedder"], fastbert.XLMRobertaModel)
 
 
 def test_cross_encoder_xlm_roberta(xlmr_checkpoints):
-    sentence_transformers = pytest.importorskip("sentence_transformers")
-    model = sentence_transformers.CrossEncoder(str(xlmr_checkpoints["reranker"]), device="cpu")
-    pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[3]), (SENTENCES[3], SENTENCES[0])]
-    before = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
-    assert fastbert.optimize(model) is model
-    assert any(isinstance(m, fastbert.XLMRobertaModel) for m in model.modules())
-    fallbacks = fastbert.announce.seen()
-    after = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
-    assert fastbert.announce.seen() == fallbacks
-    torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+    check_cross_encoder(xlmr_checkpoints["reranker"], fastbert.XLMRobertaModel)
 
 
 def test_subclass_keeps_its_own_forward():

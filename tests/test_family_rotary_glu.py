@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import transformers
-from test_families import SENTENCES
+from test_families import check_cross_encoder, check_sentence_transformer, save_checkpoints
 from test_model_parity import mixed_mask
 
 import fastbert
@@ -174,42 +174,17 @@ def checkpoints(request, tmp_path_factory):
     else:
         ids.update(type_vocab_size=2)
     config = small_config(request.param, vocab_size=len(tokenizer), num_labels=1, **ids)
-    heads = {"embedder": base_model_class(config),
-             "reranker": getattr(transformers, base_model_class(config).__name__.removesuffix("Model")
-                                 + "ForSequenceClassification")}
-    paths = {}
-    for name, model_class in heads.items():
-        torch.manual_seed(0)
-        model = model_class(config)
-        _randomize_(model, 0)
-        paths[name] = tmp_path_factory.mktemp(name)
-        model.save_pretrained(paths[name])
-        tokenizer.save_pretrained(paths[name])
+    base = base_model_class(config)
+    reranker = getattr(transformers, base.__name__.removesuffix("Model") + "ForSequenceClassification")
+    paths = save_checkpoints(tmp_path_factory, config, tokenizer, base, reranker)
     return getattr(fastbert, base_model_class(config).__name__), paths
 
 
 def test_sentence_transformer(checkpoints):
-    sentence_transformers = pytest.importorskip("sentence_transformers")
     ours, paths = checkpoints
-    model = sentence_transformers.SentenceTransformer(str(paths["embedder"]), device="cpu")
-    before = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
-    assert fastbert.optimize(model) is model
-    assert any(isinstance(m, ours) for m in model.modules())
-    fallbacks = fastbert.announce.seen()
-    after = model.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
-    assert fastbert.announce.seen() == fallbacks
-    torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+    check_sentence_transformer(paths["embedder"], ours)
 
 
 def test_cross_encoder(checkpoints):
-    sentence_transformers = pytest.importorskip("sentence_transformers")
     ours, paths = checkpoints
-    model = sentence_transformers.CrossEncoder(str(paths["reranker"]), device="cpu")
-    pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[3]), (SENTENCES[3], SENTENCES[0])]
-    before = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
-    assert fastbert.optimize(model) is model
-    assert any(isinstance(m, ours) for m in model.modules())
-    fallbacks = fastbert.announce.seen()
-    after = torch.as_tensor(model.predict(pairs, batch_size=len(pairs)))
-    assert fastbert.announce.seen() == fallbacks
-    torch.testing.assert_close(after, before, rtol=0, atol=1e-4)
+    check_cross_encoder(paths["reranker"], ours)
