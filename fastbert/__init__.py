@@ -3,7 +3,7 @@
     from fastbert import BertModel          # instead of: from transformers import BertModel
                                             # (also RobertaModel, XLMRobertaModel, CamembertModel, ElectraModel,
                                             #  DistilBertModel, GteModel, NomicBertModel,
-                                            #  ModernBertModel)
+                                            #  ModernBertModel, MPNetModel)
     fastbert.optimize(hf_model)             # or swap the encoders inside an existing HF model, in place
     fastbert.AutoModelForSequenceClassification.from_pretrained(path)   # transformers' Auto classes, accelerated
     fastbert.cuda_graphs(model)             # GPU: replay the encoder from CUDA graphs, one per shape bucket
@@ -43,7 +43,7 @@ __all__ = [
     "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
     "optimize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
 ]
-for _name in ("GteModel", "NomicBertModel", "ModernBertModel"):  # (families of newer transformers: see fastbert.models)
+for _name in ("GteModel", "NomicBertModel", "ModernBertModel", "MPNetModel"):  # (families of newer transformers: see fastbert.models)
     if _name not in _UNAVAILABLE:
         globals()[_name] = getattr(importlib.import_module(".models", __name__), _name)
         __all__.append(_name)

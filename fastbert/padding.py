@@ -28,8 +28,10 @@ class TokenLayout:
     ``rotary``: in a rotary-position model, {table name: each row's (cos, sin), float32 [N + spare_rows, head_dim / 2]
     each} (``fastbert/rotary.py``; ModernBERT has one table per attention type), built once per forward from the
     rows' positions and read by every layer.
-    ``columns``: packed layout of a model with windowed attention: [N] int32, each token's column in [0, S) (the
-    window is a distance between columns, as in transformers, which holes in the mask make differ from packed rows).
+    ``columns``: packed layout of a model with windowed attention or relative positions: [N] int32, each token's
+    column in [0, S) (those distances are between columns, as in transformers; holes in the mask make them differ from
+    distances between packed rows).
+    ``relative_bias``: MPNet's relative-position bias by distance, float32 [H, 2R + 1], built once per forward.
     """
 
     batch: int
@@ -42,6 +44,7 @@ class TokenLayout:
     spare_rows: int = 0
     rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     columns: torch.Tensor | None = None
+    relative_bias: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -70,6 +73,14 @@ class TokenLayout:
 
         return replace(self, key_padding_mask=move(self.key_padding_mask), indices=move(self.indices),
                        cu_seqlens=move(self.cu_seqlens), key_bounds=move(self.key_bounds))
+
+
+def with_columns(layout: TokenLayout) -> TokenLayout:
+    """The layout with ``columns`` (packed: each token's column in the padded batch, [N] int32), for attention that
+    measures distances between tokens; a dense layout's columns are its indices, none needed."""
+    if not layout.packed:
+        return layout
+    return replace(layout, columns=torch.remainder(layout.indices, layout.seq_len).to(torch.int32))
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

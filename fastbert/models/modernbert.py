@@ -92,9 +92,8 @@ class ModernBertModel(modeling.FusedModel, hf.ModernBertModel):
     def encode(self, x, indices, layout, keep):
         attention_types = set(self.config.layer_types)
         tables = {name: rotary.tables(self.rotary_emb, indices[2], name) for name in attention_types}
-        columns = None
-        if layout.packed and _SLIDING in attention_types:  # [N] int32 column of each packed token
-            columns = torch.remainder(layout.indices, layout.seq_len).to(torch.int32)
-        layout = dataclasses.replace(layout, rotary=tables, columns=columns)
+        layout = dataclasses.replace(layout, rotary=tables)
+        if _SLIDING in attention_types:
+            layout = padding.with_columns(layout)
         x, states = layers.run_layers(self, self.layers, x, layout, keep)
         return prenorm.layer_norm(x, self.final_norm), states

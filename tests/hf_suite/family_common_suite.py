@@ -1,6 +1,6 @@
 """transformers' *common* model tests (``ModelTesterMixin``, ~300 tests per model class) for the other families
-fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT and ModernBERT, every
-head class of each, on tiny configs of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model
+fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT, ModernBERT and MPNet,
+every head class of each, on tiny configs of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model
 test files are not in its sdist).
 
 ``run.py`` copies this file next to ``bert_common_suite.py`` in the tree it prepares. The model classes are looked up
@@ -147,3 +147,12 @@ class FastbertModernBertCommonTest(ModelTesterMixin, unittest.TestCase):
             max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
             bos_token_id=1, eos_token_id=1, cls_token_id=1, sep_token_id=1, attention_dropout=0.1, mlp_dropout=0.1,
         )
+
+
+@require_torch
+class FastbertMPNetCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = _classes("MPNet")
+
+    def setUp(self):
+        # relative-position bias, RoBERTa's positions (padding_idx 1), no token types
+        self.model_tester = TinyTester(self, transformers.MPNetConfig, 1, **_BERT_SHAPED, pad_token_id=1)

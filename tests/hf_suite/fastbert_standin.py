@@ -1,6 +1,6 @@
 """pytest plugin: run transformers' own model tests with fastbert standing in for transformers' BERT-family models
 (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``, ``GteModel``,
-``NomicBertModel``, ``ModernBertModel``).
+``NomicBertModel``, ``ModernBertModel``, ``MPNetModel``).
 
 Load it with ``-p fastbert_standin`` (this directory on PYTHONPATH) and pick the mode with an environment variable:
 
@@ -53,6 +53,7 @@ FAMILIES = (
     ("gte", "modeling_gte", "GteModel"),
     ("nomic_bert", "modeling_nomic_bert", "NomicBertModel"),
     ("modernbert", "modeling_modernbert", "ModernBertModel"),
+    ("mpnet", "modeling_mpnet", "MPNetModel"),
 )
 
 
