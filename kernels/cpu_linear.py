@@ -97,7 +97,8 @@ MEASURED_TOKENS = (128, 1024)
 def measure(dtype: torch.dtype) -> dict[str, dict[int, float]]:
     """GFLOP/s of torch's ``F.linear`` and of the packed oneDNN linear on [tokens, 768] x [768, 768]^T GEMMs in
     ``dtype``, for each of ``MEASURED_TOKENS``, with torch's current thread count: {"torch": {tokens: gflops},
-    "onednn": {...}} (median of 5 after 2 warm-ups, the libraries interleaved; ~0.1 s)."""
+    "onednn": {...}} (median of 21 after 3 warm-ups, the libraries interleaved; ~0.2 s, once per machine: 5 calls of
+    the 128-token GEMM, 0.2 ms each, left 2-core machines a few percent either way from run to run)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(768, 768, generator=generator).to(dtype)
     bias = torch.zeros(768, dtype=dtype)
@@ -113,7 +114,7 @@ def measure(dtype: torch.dtype) -> dict[str, dict[int, float]]:
     return figures
 
 
-def _median_seconds(calls: dict, warmup: int = 2, reps: int = 5) -> dict[str, float]:
+def _median_seconds(calls: dict, warmup: int = 3, reps: int = 21) -> dict[str, float]:
     """Median seconds of each call, timed in turns (a change of clock or load affects every library alike)."""
     for _ in range(warmup):
         for call in calls.values():
