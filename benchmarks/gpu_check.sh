@@ -7,8 +7,8 @@
 #                       (gpu_smoke.py), tests (pytest -k cuda), profile (gpu_profile.py, a CUDA-graph replay
 #                       included), kernels-fp16 (bench_kernels.py), sweep-fp16-s128 and sweep-fp16-s512 (bench.py)
 #   --part 2            for the same machine right after part 1 (it installs only where fastbert._C does not
-#                       import): kernels-bf16, sweep-bf16-s128, sweep-bf16-s512, sweep-rotary (gte-base and
-#                       modernbert-base, fp16), compile (hf-compile vs fastbert)
+#                       import): kernels-bf16, sweep-bf16-s128, sweep-bf16-s512, sweep-families (gte-base,
+#                       modernbert-base, mpnet-base, fp16), compile (hf-compile vs fastbert)
 # Each part leaves two files in $OUT, rewritten after every step so that a kill keeps what ran:
 #   part 1: gpu_check.tar.gz, summary.txt        part 2: gpu_check-part2.tar.gz, summary-part2.txt
 # The archive holds a folder of its name: env.txt, steps.txt, logs/<step>.log, tests/junit.xml, profile/profile.txt,
@@ -51,7 +51,7 @@ if [ "$part" = 1 ]; then
   plan=(install 100 install-nocuda 50 info 20 smoke 60 tests 100 profile 45 kernels-fp16 50 sweep-fp16-s128 55
         sweep-fp16-s512 30)
 else
-  plan=(install 100 install-nocuda 50 kernels-bf16 50 sweep-bf16-s128 70 sweep-bf16-s512 40 sweep-rotary 50
+  plan=(install 100 install-nocuda 50 kernels-bf16 50 sweep-bf16-s128 70 sweep-bf16-s512 40 sweep-families 50
         compile 150)
 fi
 declare -A limit
@@ -250,10 +250,10 @@ if [ "$mode" = gpu ]; then
               --reps 5 --gpu-rep-ms 50 "${sweep_common[@]}")
   s128=(--batch 1,8,64 --seq-len 128)
   s512=(--batch 32 --seq-len 512 --append)
-  # the rotary + GLU families at their checkpoints' widths, fp16: full rows and half padding (ModernBERT at 512
-  # tokens, so its 128-token window is narrower than the rows)
-  rotary_args=(--device cuda --models gte-base,modernbert-base --providers hf-sdpa,fastbert --dtype fp16 --batch 8
-               --seq-len 512 --reps 5 --gpu-rep-ms 50 "${sweep_common[@]}" --append)
+  # the families added with transformers 5 at their checkpoints' widths, fp16: full rows and half padding, 512
+  # tokens (past ModernBERT's 128-token window and MPNet's 128-token bias saturation)
+  families_args=(--device cuda --models gte-base,modernbert-base,mpnet-base --providers hf-sdpa,fastbert --dtype fp16
+                 --batch 8 --seq-len 512 --reps 5 --gpu-rep-ms 50 "${sweep_common[@]}" --append)
 else
   pip_install=(echo "dry run, nothing built; on the GPU: PIP_NO_INDEX=1 pip install -v --no-build-isolation"
                "--no-deps -e .")
@@ -264,8 +264,8 @@ else
               "${sweep_common[@]}")
   s128=(--batch 1,2 --seq-len 16)
   s512=(--batch 2 --seq-len 32 --append)
-  rotary_args=(--device cpu --models gte-tiny,modernbert-tiny --providers hf-sdpa,fastbert --dtype fp32 --batch 2
-               --seq-len 16 --reps 1 --warmup 0 "${sweep_common[@]}" --append)
+  families_args=(--device cpu --models gte-tiny,modernbert-tiny --providers hf-sdpa,fastbert --dtype fp32 --batch 2
+                 --seq-len 16 --reps 1 --warmup 0 "${sweep_common[@]}" --append)
 fi
 
 # steps.txt opens with the plan and what the setup took; each step adds its line
@@ -299,7 +299,7 @@ else
   kernels bf16 bfloat16
   step sweep-bf16-s128 "$py" benchmarks/bench.py "${sweep_args[@]}" --dtype bf16 "${s128[@]}"
   step sweep-bf16-s512 "$py" benchmarks/bench.py "${sweep_args[@]}" --dtype bf16 "${s512[@]}"
-  step sweep-rotary "$py" benchmarks/bench.py "${rotary_args[@]}"
+  step sweep-families "$py" benchmarks/bench.py "${families_args[@]}"
   if [ "$mode" = gpu ]; then
     step compile "$py" benchmarks/bench.py --device cuda --models bert-base --dtype fp16 --batch 32 --seq-len 128 \
       --pad-ratio 0 --providers hf-sdpa,hf-compile,fastbert --keep-going --no-progress --out "$work/compile"

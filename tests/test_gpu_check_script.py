@@ -19,7 +19,7 @@ needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
                                 reason="needs bash and timeout")
 
 PART1 = ["install", "info", "smoke", "tests", "profile", "kernels-fp16", "sweep-fp16-s128", "sweep-fp16-s512"]
-PART2 = ["install", "kernels-bf16", "sweep-bf16-s128", "sweep-bf16-s512", "sweep-rotary", "compile"]
+PART2 = ["install", "kernels-bf16", "sweep-bf16-s128", "sweep-bf16-s512", "sweep-families", "compile"]
 
 
 def run_dry(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -83,7 +83,7 @@ def test_gpu_check_dry_run_of_both_parts(tmp_path):
     # the install is skipped where the package already imports (as here, where the tests run), else done
     assert steps[0].split()[1] == "ok" or "SKIPPED (already installed)" in steps[0], steps[0]
     assert any(line.split()[:2] == ["sweep-bf16-s512", "ok"] for line in steps)
-    assert any(line.split()[:2] == ["sweep-rotary", "ok"] for line in steps)
+    assert any(line.split()[:2] == ["sweep-families", "ok"] for line in steps)
     assert "kernels-bf16     SKIPPED (dry run: needs CUDA)" in summary
     with tarfile.open(out / "gpu_check-part2.tar.gz") as tar:
         rows = tar.extractfile("gpu_check-part2/sweep/results.csv").read().decode().splitlines()
