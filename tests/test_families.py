@@ -140,6 +140,46 @@ def trio(family: Family, model_class=None, unpad=True, seed=0):
     return fast, hf, ref
 
 
+def config_trio(config, model_class=None, dtype=torch.float32, unpad=True):
+    """(fastbert: optimize() of a copy, HF, HF float64 eager; SDPA for ModernBERT, see ``trio``) with the same random
+    weights, for a config of any family; ``model_class``: a head, or the family's base model by default."""
+    torch.manual_seed(0)
+    hf = (model_class or getattr(transformers, type(config).__name__.removesuffix("Config") + "Model"))(config).eval()
+    _randomize_(hf, 0)
+    ref = copy.deepcopy(hf).double()
+    if not isinstance(config, getattr(transformers, "ModernBertConfig", ())):
+        ref.set_attn_implementation("eager")
+    fast = fastbert.optimize(copy.deepcopy(hf))
+    fast.base_model.unpad = unpad
+    return fast.to(dtype), hf.to(dtype), ref
+
+
+def masked_inputs(batch: int, seq_len: int, pad_id: int = 0, seed: int = 0):
+    """(input_ids, mixed_mask): ids in (pad_id, 99), the pad id wherever the mask is 0."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = mixed_mask(batch, seq_len)
+    return torch.randint(pad_id + 1, 99, (batch, seq_len), generator=generator).masked_fill(mask == 0, pad_id), mask
+
+
+def check_lora_then_merged(models, input_ids, mask, targets: list[str], assert_matches_hf) -> list:
+    """(fastbert, HF, HF float64) wrapped in the same random LoRA on ``targets`` after fastbert's caches were built:
+    outputs match; merged back (merge_and_unload), they match again. Returns the merged models."""
+    peft = pytest.importorskip("peft")
+    run(models[:1], input_ids, attention_mask=mask)  # derived caches built before the wrap
+    lora = peft.LoraConfig(target_modules=targets, r=4, init_lora_weights=False)
+    wrapped = []
+    for model in models:
+        torch.manual_seed(1)
+        wrapped.append(peft.get_peft_model(model, lora).eval())
+    wrapped[2].double()
+    outs = run(wrapped, input_ids, attention_mask=mask)
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+    merged = [m.merge_and_unload() for m in wrapped]
+    outs = run(merged, input_ids, attention_mask=mask)
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+    return merged
+
+
 def run(models, *args, **kwargs):
     with torch.no_grad():
         return [m(*args, **kwargs) for m in models]

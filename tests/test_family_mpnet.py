@@ -11,7 +11,6 @@ of the sentence-transformers folder:
 Random weights elsewhere (conftest's ``_randomize_``); the comparison rule is conftest's.
 """
 
-import copy
 import importlib.metadata
 import os
 import zipfile
@@ -19,11 +18,10 @@ import zipfile
 import pytest
 import torch
 import transformers
-from test_families import SENTENCES, check_cross_encoder, check_sentence_transformer, save_checkpoints
-from test_model_parity import mixed_mask
+from test_families import (SENTENCES, check_cross_encoder, check_lora_then_merged, check_sentence_transformer,
+                           config_trio, masked_inputs, run, save_checkpoints)
 
 import fastbert
-from conftest import _randomize_
 
 if not hasattr(fastbert, "MPNetModel"):
     pytest.skip("MPNet needs transformers 5.x", allow_module_level=True)
@@ -36,27 +34,13 @@ def mpnet_config(**overrides):
     return transformers.MPNetConfig(**{**values, **overrides})
 
 
-def trio(config, model_class=transformers.MPNetModel, dtype=torch.float32, unpad=True):
-    """(fastbert, HF, HF float64) with the same random weights (MPNet has only transformers' eager attention)."""
-    torch.manual_seed(0)
-    hf = model_class(config).eval()
-    _randomize_(hf, 0)
-    ref = copy.deepcopy(hf).double()
-    fast = fastbert.optimize(copy.deepcopy(hf))
-    fast.base_model.unpad = unpad
-    return fast.to(dtype), hf.to(dtype), ref
+def trio(config, model_class=None, dtype=torch.float32, unpad=True):
+    return config_trio(config, model_class, dtype, unpad)  # (MPNet has only transformers' eager attention)
 
 
 def inputs(batch, seq_len, seed=0):
     """Ids from 2 up (1 is MPNet's padding_idx: positions skip it), the pad id wherever the mask is 0."""
-    generator = torch.Generator().manual_seed(seed)
-    mask = mixed_mask(batch, seq_len)
-    return torch.randint(2, 99, (batch, seq_len), generator=generator).masked_fill(mask == 0, 1), mask
-
-
-def run(models, *args, **kwargs):
-    with torch.inference_mode():
-        return [m(*args, **kwargs) for m in models]
+    return masked_inputs(batch, seq_len, pad_id=1, seed=seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -93,21 +77,8 @@ def test_positions_as_given(assert_matches_hf):
 def test_lora_then_merged(assert_matches_hf):
     """LoRA on q, v and the relative-bias table's neighbours (the projections the fused path stacks into one GEMM):
     the wrapped modules are called; after merge_and_unload the stacked weights are rebuilt."""
-    peft = pytest.importorskip("peft")
-    fast, hf, ref = trio(mpnet_config(hidden_size=96, num_attention_heads=3, intermediate_size=80))
-    input_ids, mask = inputs(4, 11)
-    run((fast,), input_ids, attention_mask=mask)  # stacked caches built before the wrap
-    lora = peft.LoraConfig(target_modules=["q", "v", "dense"], r=4, init_lora_weights=False)
-    models = []
-    for model in (fast, hf, ref):
-        torch.manual_seed(1)
-        models.append(peft.get_peft_model(model, lora).eval())
-    models[2].double()
-    outs = run(models, input_ids, attention_mask=mask)
-    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
-    merged = [m.merge_and_unload() for m in models]
-    outs = run(merged, input_ids, attention_mask=mask)
-    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+    models = trio(mpnet_config(hidden_size=96, num_attention_heads=3, intermediate_size=80))
+    check_lora_then_merged(models, *inputs(4, 11), ["q", "v", "dense"], assert_matches_hf)
 
 
 def test_gradients_match_hf():

@@ -5,16 +5,14 @@ on the projections the fused path stacks (and merged back), gradients, and sente
 models.
 Random weights (conftest's ``_randomize_``); the comparison rule is conftest's."""
 
-import copy
-
 import pytest
 import torch
 import transformers
-from test_families import check_cross_encoder, check_sentence_transformer, save_checkpoints
-from test_model_parity import mixed_mask
+from test_families import check_cross_encoder, check_lora_then_merged, check_sentence_transformer, run, save_checkpoints
+from test_families import config_trio as trio
+from test_families import masked_inputs as inputs
 
 import fastbert
-from conftest import _randomize_
 
 if not (hasattr(fastbert, "GteModel") and hasattr(fastbert, "NomicBertModel")):
     pytest.skip("GTE and NomicBERT need transformers 5.x", allow_module_level=True)
@@ -49,31 +47,6 @@ def small_config(family="gte", **overrides):
 
 def base_model_class(config):
     return getattr(transformers, type(config).__name__.removesuffix("Config") + "Model")
-
-
-def trio(config, model_class=None, dtype=torch.float32, unpad=True):
-    """(fastbert, HF, HF float64 eager; SDPA for ModernBERT) with the same random weights; ``model_class`` a head
-    (then optimized)."""
-    torch.manual_seed(0)
-    hf = (model_class or base_model_class(config))(config).eval()
-    _randomize_(hf, 0)
-    ref = copy.deepcopy(hf).double()
-    if not isinstance(config, getattr(transformers, "ModernBertConfig", ())):  # (see test_families.trio)
-        ref.set_attn_implementation("eager")
-    fast = fastbert.optimize(copy.deepcopy(hf))
-    fast.base_model.unpad = unpad
-    return fast.to(dtype), hf.to(dtype), ref
-
-
-def inputs(batch, seq_len, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    mask = mixed_mask(batch, seq_len)
-    return torch.randint(1, 99, (batch, seq_len), generator=generator).masked_fill(mask == 0, 0), mask
-
-
-def run(models, *args, **kwargs):
-    with torch.inference_mode():
-        return [m(*args, **kwargs) for m in models]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -128,23 +101,9 @@ def test_lora_on_stacked_projections_then_merged(family, assert_matches_hf):
     """LoRA on q_proj, gate_proj and up_proj (which the fused path stacks into one GEMM each; ModernBERT's own fused
     Wqkv and Wi): the wrapped modules are called; after merge_and_unload the stacked weights are rebuilt from the
     merged ones (ModernBERT's packed oneDNN weights likewise)."""
-    peft = pytest.importorskip("peft")
-    fast, hf, ref = trio(small_config(family))
-    input_ids, mask = inputs(4, 11)
-    run((fast,), input_ids, attention_mask=mask)  # stacked caches built before the wrap
     targets = ["Wqkv", "Wi"] if family == "modernbert" else ["q_proj", "gate_proj", "up_proj"]
-    lora = peft.LoraConfig(target_modules=targets, r=4, init_lora_weights=False)
-    models = []
-    for model in (fast, hf, ref):
-        torch.manual_seed(1)
-        models.append(peft.get_peft_model(model, lora).eval())
-    models[2].double()
-    outs = run(models, input_ids, attention_mask=mask)
-    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
-    merged = [m.merge_and_unload() for m in models]
+    merged = check_lora_then_merged(trio(small_config(family)), *inputs(4, 11), targets, assert_matches_hf)
     assert type(getattr(merged[0].layers[0].mlp, "Wi" if family == "modernbert" else "gate_proj")) is torch.nn.Linear
-    outs = run(merged, input_ids, attention_mask=mask)
-    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
