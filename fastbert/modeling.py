@@ -74,6 +74,9 @@ class FusedModel(layers.Fused):
     fused_classes: dict[type, type] = {}
     output_class: type
     encoder_name = "encoder"
+    # Children whose state the fused forward reads without calling them (the rotary module's frequencies): they must
+    # be transformers' own class without hooks, or transformers' forward runs.
+    read_modules: tuple[str, ...] = ()
     _graphs = None  # a graphs.GraphSet once ``fastbert.cuda_graphs`` enabled CUDA graphs on this model
 
     def __init_subclass__(cls, **kwargs):
@@ -327,6 +330,10 @@ class FusedModel(layers.Fused):
         """A hook (global, or on a module the fused forward bypasses) that only transformers' forward would run."""
         if plain.global_hooks():
             return "a global module hook"
+        for name in self.read_modules:
+            module = getattr(self, name)
+            if plain.has_hooks(module) or not type(module).__module__.startswith("transformers."):
+                return f"{name} being a {type(module).__name__} with hooks or a class of its own"
         bypassed = layers.bypassed_hook(self)
         if bypassed is not None:
             name = next(n for n, m in self.named_modules() if m is bypassed)

@@ -81,6 +81,22 @@ def test_positions_as_given(family, assert_matches_hf):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_hooked_rotary_module_runs_transformers(family):
+    """The fused forward reads the rotary module's frequencies without calling it: with a hook on it (which might
+    change the tables), transformers' forward runs, the hook runs, and it is said."""
+    fast, hf, _ = trio(small_config(family))
+    input_ids, mask = inputs(3, 9)
+    run((fast,), input_ids, attention_mask=mask)  # a plan decided before the hook: the next forward sees it
+    calls = []
+    for model in (fast, hf):
+        model.rotary_emb.register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    with pytest.warns(RuntimeWarning, match="rotary_emb being a .* with hooks"):
+        outs = run((fast, hf), input_ids, attention_mask=mask)
+    assert len(calls) >= 2
+    torch.testing.assert_close(outs[0].last_hidden_state, outs[1].last_hidden_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_length_dependent_rope_runs_transformers(family):
     """Dynamic NTK (nomic-embed-text-v1.5's long-context setting) changes the frequencies with the input's length:
     transformers' forward runs, and it is said."""

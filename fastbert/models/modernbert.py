@@ -24,8 +24,9 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.modernbert import modeling_modernbert as hf
 
-from .. import gated_mlp, layers, modeling, ops, padding, prenorm, rotary
+from .. import gated_mlp, layers, ops, padding, prenorm, rotary
 from ..plain import is_plain
+from . import rotary_glu
 
 _SLIDING = "sliding_attention"
 
@@ -79,15 +80,11 @@ class FusedPredictionHead(layers.FusedPredictionHeadTransform):
 HEAD_CLASSES = layers.fused_classes(hf, "ModernBert", {"PredictionHead": FusedPredictionHead}, globals())
 
 
-class ModernBertModel(modeling.FusedModel, hf.ModernBertModel):
+class ModernBertModel(rotary_glu.RotaryGluModel, hf.ModernBertModel):
     """Drop-in for ``transformers.ModernBertModel``: ``ModernBertModel(config, unpad=True)``."""
 
     fused_classes = FUSED_CLASSES
     output_class = BaseModelOutput
-    encoder_name = "layers"
-
-    def max_seq_len(self, input_ids):
-        return None  # rotary positions: no table bounds the length (nor does transformers)
 
     def encode(self, x, indices, layout, keep):
         attention_types = set(self.config.layer_types)

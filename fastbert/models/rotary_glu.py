@@ -57,10 +57,12 @@ MIXINS = {
 
 
 class RotaryGluModel(modeling.FusedModel):
-    """What a rotary + GLU model states beyond ``FusedModel``: its layers on the model, the tables per forward."""
+    """What a rotary + GLU model states beyond ``FusedModel``: its layers on the model, the tables per forward from
+    its rotary module's frequencies (ModernBERT's model subclasses it for one table per attention type)."""
 
     output_class = BaseModelOutputWithPooling
     encoder_name = "layers"
+    read_modules = ("rotary_emb",)
 
     def max_seq_len(self, input_ids):
         return None  # rotary positions: no table bounds the length (nor does transformers)
