@@ -18,6 +18,10 @@ never used once its parameters hold other values. Each entry carries the state o
 - replacing a child module of a fastbert module (PEFT wrapping a Linear in LoRA, and unwrapping it after a merge)
   drops what was cached below that module (``layers.Fused.__setattr__``).
 
+Under FSDP2 (``fully_shard``) nothing is cached: each all-gather rewrites the unsharded parameters in place with
+their version counters deliberately preserved, into storage freed and re-allocated (on a GPU the caching allocator
+hands the same address back), so no state above would see the new values. The derived tensors are built per call.
+
 What the state cannot see, to be announced with ``fastbert.clear_caches(model)``: on a GPU, writes through ``.data``,
 collectives or other processes after an inference forward (a fingerprint there would cost a device sync per
 forward); on CPU, such writes that change only a few elements (seen when they hit a sampled word). A forward with
@@ -33,7 +37,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _extension
+from . import _extension, announce
+
+try:  # modules under torch.distributed's composable APIs (fully_shard, replicate), held weakly
+    from torch.distributed._composable_state import _module_state_mapping as _composable_modules
+except ImportError:  # a torch built without distributed support
+    _composable_modules = {}
 
 ATTRIBUTE = "_fastbert_derived"  # on the owning module: {name: _Entry}
 
@@ -119,7 +128,8 @@ def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build)
     swapped in by ``torch.func.functional_call``, vmap's batched tensors) are never cached: the result is built for
     this call only, so no caller's tensor is kept alive or mistaken for another.
     """
-    if torch.compiler.is_compiling() or not all(isinstance(p, nn.Parameter) for p in params):
+    if torch.compiler.is_compiling() or not all(isinstance(p, nn.Parameter) for p in params) or (
+            params and fsdp_in_use()):
         return build(*params)
     entries = owner.__dict__.get(ATTRIBUTE) or {}
     entry = entries.get(name)
@@ -133,6 +143,19 @@ def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build)
     owner.__dict__[ATTRIBUTE] = _Entries({**entries, name: entry})  # one assignment publishes it
     _track(params)
     return value
+
+
+def fsdp_in_use() -> bool:
+    """Whether FSDP2 shards modules in this process (then nothing is cached, said once; see the module's notes)."""
+    if not _composable_modules:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in list(_composable_modules)):
+        return False
+    announce.fallback("FSDP2 (fully_shard) rewrites parameters in place without moving their version counters: "
+                      "derived weights (stacked QKV, packed GEMM weights) are rebuilt on every forward, not cached")
+    return True
 
 
 def discard(owner: nn.Module, name: str) -> None:
