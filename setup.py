@@ -155,6 +155,7 @@ setup(
     packages=["fastbert", "fastbert.models", "fastbert.kernels"],
     # kernels/ is installed as fastbert.kernels, never as a top-level `kernels` (a different package on PyPI).
     package_dir={"fastbert": "fastbert", "fastbert.models": "fastbert/models", "fastbert.kernels": "kernels"},
+    package_data={"fastbert": ["data/*.txt"]},  # the int8 guard's sentences
     ext_modules=[
         Pybind11Extension(
             "fastbert._C",

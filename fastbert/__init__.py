@@ -6,6 +6,7 @@
                                             #  ModernBertModel, MPNetModel)
     fastbert.optimize(hf_model)             # or swap the encoders inside an existing HF model, in place
     fastbert.AutoModelForSequenceClassification.from_pretrained(path)   # transformers' Auto classes, accelerated
+    fastbert.quantize(model)                # CPU: int8 GEMMs, checked against float32 on real sentences first
     fastbert.cuda_graphs(model)             # GPU: replay the encoder from CUDA graphs, one per shape bucket
     fastbert.info()                         # what runs here, and why
 """
@@ -35,13 +36,14 @@ from .models import (  # noqa: E402
 )
 from .models import UNAVAILABLE as _UNAVAILABLE  # noqa: E402
 from .optimize import optimize  # noqa: E402
+from .quantize import quantize  # noqa: E402
 from .validation import set_input_checks  # noqa: E402
 
 __all__ = [
     "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel",
     "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
     "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
-    "optimize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
+    "optimize", "quantize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
 ]
 for _name in ("GteModel", "NomicBertModel", "ModernBertModel", "MPNetModel"):  # (families of newer transformers: see fastbert.models)
     if _name not in _UNAVAILABLE:

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from .kernels import cpu_linear
+from .kernels import cpu_linear, int8_linear
 
 # The instruction-set flags that change what is fast here, as /proc/cpuinfo names them.
 ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ne_convert",
@@ -65,31 +65,61 @@ def native_bf16() -> bool:
 
 # --- GEMM measurements, per machine ---------------------------------------------------------------------------------
 
-_figures: dict[torch.dtype, dict] = {}
+_figures: dict = {}  # torch.dtype -> the fp32/bf16 GEMM figures; ("int8", bits) -> the int8 ones
 _lock = threading.Lock()  # concurrent first forwards: one measurement, not two timing each other
+
+
+def _measured(what, key: str, libraries: tuple[str, ...], measure) -> dict:
+    """``measure()``'s figures {library: {tokens: gflops}} for ``what``, read from this machine's store under ``key``
+    or measured now and stored; with "source": "measured", or the file they were read from."""
+    with _lock:
+        if what not in _figures:
+            stored = _read_store().get(key)
+            if stored is not None and all(lib in stored for lib in libraries):
+                figures = {lib: {int(t): g for t, g in stored[lib].items()} for lib in libraries}
+                figures["source"] = _store_path()
+            else:
+                figures = {**measure(), "source": "measured"}
+                _write_store(key, {lib: figures[lib] for lib in libraries})
+            _figures[what] = figures
+        return _figures[what]
 
 
 def gemm_figures(dtype: torch.dtype) -> dict:
     """GFLOP/s of torch's F.linear and of oneDNN's packed linear at ``cpu_linear.MEASURED_TOKENS`` tokens in
     ``dtype`` with torch's thread count here: {"torch": {tokens: gflops}, "onednn": {...}, "source": "measured" or
     the file it was read from}. Measured once per machine (~0.1 s), then read back by every process."""
-    with _lock:
-        if dtype not in _figures:
-            key = _key(dtype)
-            stored = _read_store().get(key)
-            if stored is not None:
-                figures = {lib: {int(t): g for t, g in stored[lib].items()} for lib in ("torch", "onednn")}
-                figures["source"] = _store_path()
-            else:
-                figures = {**cpu_linear.measure(dtype), "source": "measured"}
-                _write_store(key, {lib: figures[lib] for lib in ("torch", "onednn")})
-            _figures[dtype] = figures
-        return _figures[dtype]
+    return _measured(dtype, _key(dtype), ("torch", "onednn"), lambda: cpu_linear.measure(dtype))
 
 
 def gemm_figures_so_far() -> dict[torch.dtype, dict]:
     with _lock:
-        return dict(_figures)
+        return {what: figures for what, figures in _figures.items() if isinstance(what, torch.dtype)}
+
+
+def int8_figures(bits: int) -> dict:
+    """Effective GFLOP/s of the fp32 GEMMs (torch, oneDNN where it runs) and of the int8 linear with ``bits``-bit
+    weights, activation quantization included (``int8_linear.measure``), measured once per machine (~2 s)."""
+    libraries = ("torch", "onednn", "int8")
+    return _measured(("int8", bits), f"{_key(torch.float32)} int8 w{bits}", libraries,
+                     lambda: int8_linear.measure(bits))
+
+
+def int8_figures_so_far() -> dict:
+    with _lock:
+        return {f"w{what[1]}": figures for what, figures in _figures.items() if not isinstance(what, torch.dtype)}
+
+
+def int8_slower_reason(bits: int, margin: float) -> str | None:
+    """Why int8 GEMMs do not replace the fp32 ones here (not ``margin`` times faster than the faster fp32 library at
+    every measured size), or None when they do."""
+    figures = int8_figures(bits)
+    for tokens, int8_gflops in figures["int8"].items():
+        fp32_gflops = max(figures[lib].get(tokens, 0.0) for lib in ("torch", "onednn"))
+        if int8_gflops < margin * fp32_gflops:
+            return (f"int8 GEMMs are not {margin}x faster than float32 on this CPU at {tokens} tokens "
+                    f"({int8_gflops} vs {fp32_gflops} GFLOP/s)")
+    return None
 
 
 def onednn_slower_reason(dtype: torch.dtype) -> str | None:

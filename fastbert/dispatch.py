@@ -9,7 +9,8 @@ Backends, fastest first:
   autograd needs gradients (the fused kernels are forward-only), dropout is active, or an activation has no kernel.
 
 ``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice; ``FASTBERT_BACKEND=torch`` also keeps the GEMMs on
-``F.linear``, and ``FASTBERT_CPU_GEMM=auto|onednn|torch`` picks the CPU GEMM library alone. The environment is read
+``F.linear``, and ``FASTBERT_CPU_GEMM=auto|onednn|torch`` picks the CPU GEMM library alone;
+``FASTBERT_CPU_INT8=off`` keeps a quantized model's GEMMs in float32 (``int8.py``). The environment is read
 once, at the first forward (``reload_settings()`` reads it again): an op's choice then costs one dict lookup.
 Each backend states why it does not apply; ``fastbert.info()`` reports those reasons, and the first time a faster
 backend is skipped for a reason other than the user's own choice, a warning says why.
@@ -27,6 +28,7 @@ from .kernels import cpu_linear
 OPS = ("embedding", "attention", "rotary", "layer_norm", "bias_act", "glu", "act_layer_norm", "gemm")
 ENV_BACKEND = "FASTBERT_BACKEND"
 ENV_CPU_GEMM = "FASTBERT_CPU_GEMM"
+ENV_CPU_INT8 = "FASTBERT_CPU_INT8"
 # Dtypes the C++ CPU embedding kernel was written for; fp16 on CPU has no fast path in torch either.
 _CPU_EXT_DTYPES = (torch.float32, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -36,6 +38,7 @@ _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class Settings:
     backend: str  # FASTBERT_BACKEND: auto, torch or triton
     cpu_gemm: str  # FASTBERT_CPU_GEMM: auto, onednn or torch
+    cpu_int8: str  # FASTBERT_CPU_INT8: auto (int8 GEMMs where fastbert.quantize chose them and they are faster) or off
     interpreter: bool  # TRITON_INTERPRET set: Triton may run CPU tensors (through its interpreter)
 
 
@@ -56,14 +59,15 @@ def settings() -> Settings:
         _settings = Settings(
             backend=_read(ENV_BACKEND, ("auto", "torch", "triton")),
             cpu_gemm=_read(ENV_CPU_GEMM, ("auto", "onednn", "torch")),
+            cpu_int8=_read(ENV_CPU_INT8, ("auto", "off")),
             interpreter=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
         )
     return _settings
 
 
 def reload_settings() -> None:
-    """Have the next forward read the environment again (after changing ``FASTBERT_BACKEND``, ``FASTBERT_CPU_GEMM``
-    or ``TRITON_INTERPRET`` at run time). CUDA graphs captured before keep what they captured."""
+    """Have the next forward read the environment again (after changing ``FASTBERT_BACKEND``, ``FASTBERT_CPU_GEMM``,
+    ``FASTBERT_CPU_INT8`` or ``TRITON_INTERPRET`` at run time). CUDA graphs captured before keep what they captured."""
     global _settings
     _settings = None
 

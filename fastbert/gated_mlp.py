@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import derived, dispatch
+from . import derived, dispatch, int8
 from .kernels import cpu_linear
 from .kernels import glu as glu_kernels
 from .ops import counted, linear, onednn_applies, stack_linears, stacked_parameters
@@ -48,6 +48,10 @@ def _how_dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.M
     if act_and_mul.kernel:
         def run(x):
             return act_and_mul(F.linear(x, *derived.cached(gate, "glu_weight", stacked_parameters(up, gate), _stack)))
+    elif why is None and x.device.type == "cpu" and (quantized := int8.stacked_gemm(
+            x, gate, (up, gate), lambda: stacked_parameters(up, gate), _stack)):
+        def run(x):
+            return act_and_mul(quantized(x))
     elif why is None and x.device.type == "cpu" and onednn_applies(x, params):
         def run(x):
             weight, bias = derived.cached(gate, "glu_onednn", stacked_parameters(up, gate), _stack_and_pack)
@@ -78,7 +82,8 @@ def _how_linear_glu(x, wi, act_fn, activated_half):
     plain = is_plain(wi, nn.Linear, x.device)
     if act_and_mul.kernel and plain:  # the GEMM without its bias: the kernel adds it
         return counted(lambda x: act_and_mul(F.linear(x, wi.weight), wi.bias), warning)
-    if not act_and_mul.kernel and plain and not (why is None and onednn_applies(x, (wi.weight,))):
+    one_gemm = why is None and (onednn_applies(x, (wi.weight,)) or int8.gemm(x, wi) is not None)
+    if not act_and_mul.kernel and plain and not one_gemm:
         # F.linear: one GEMM per half, on row views of Wi (no copy), for the reasons ``_how_dense_glu`` gives
         def run(x):
             weights, biases = wi.weight.chunk(2), (None, None) if wi.bias is None else wi.bias.chunk(2)

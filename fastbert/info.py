@@ -10,8 +10,9 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, cpu, dispatch, validation
+from . import __version__, _extension, announce, cpu, dispatch, int8, validation
 from .optimize import reports as optimize_reports
+from .quantize import reports as quantize_reports
 
 
 def _version(package: str) -> str | None:
@@ -56,6 +57,9 @@ def info() -> dict:
             "onednn_margin": cpu.ONEDNN_MARGIN,
             "measured_gflops": {str(d).removeprefix("torch."): g for d, g in cpu.gemm_figures_so_far().items()},
         },
+        # CPU int8 (fastbert.quantize): whether it runs here and on which ISA path, the measured GFLOP/s, and what
+        # each quantize() call decided, with its guard's figures and the layers it kept in float32.
+        "int8": {**int8.report(), "models": quantize_reports()},
         "backends": backends,
         "reasons": reasons,
         # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,

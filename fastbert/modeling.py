@@ -25,7 +25,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from . import announce, cpu, dispatch, layers, padding, plain, rotary, validation
+from . import announce, cpu, dispatch, int8, layers, padding, plain, rotary, validation
 from . import plan as plans
 
 # transformers 5 drops None from tuple outputs; 4.x keeps the pooler's slot (heads index outputs[2:]).
@@ -166,7 +166,8 @@ class FusedModel(layers.Fused):
         inputs_embeds = inputs["inputs_embeds"]
         embeds = None if inputs_embeds is None else padding.pack(inputs_embeds, layout)
         keep = _selected_states(_flag(kwargs, "output_hidden_states", self.config), self.config.num_hidden_layers)
-        return self._finish(self._encode(indices, layout, embeds, keep), kwargs)
+        with int8.counting(layout):  # (int8 GEMMs take their activation range over the layout's tokens only)
+            return self._finish(self._encode(indices, layout, embeds, keep), kwargs)
 
     def _encode(self, indices: torch.Tensor, layout: padding.TokenLayout, inputs_embeds: torch.Tensor | None = None,
                 keep: set[int] | None = None):

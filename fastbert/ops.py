@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _extension, announce, derived, dispatch
+from . import _extension, announce, derived, dispatch, int8
 from .attention import attention  # noqa: F401  (the attention op, in a module of its own)
 from .kernels import activation as activation_kernels
 from .kernels import cpu_linear
@@ -112,8 +112,13 @@ def onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation: 
     if why is not None or not is_plain(dense, nn.Linear, x.device):
         # Training: the weights are about to change. A wrapper (LoRA) may later write into the Linear it wraps
         # through ``.data`` (``merge_and_unload``). Either way the packed copy goes now, not at the next rebuild.
+        if why is not None:
+            int8.training_fallback(dense)
         derived.clear(dense)
         return None
+    quantized = int8.gemm(x, dense, activation)  # (a Linear fastbert.quantize chose, where int8 runs)
+    if quantized is not None:
+        return quantized
     if not onednn_applies(x, (dense.weight,)):
         return None
 
@@ -255,6 +260,8 @@ def _how_qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: t
         return lambda x: torch.cat([query(x), key(x), value(x)], dim=-1)
 
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        int8.training_fallback(query)
+
         def run(x):
             # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP)
             # where no version counter sees it, so the inference cache goes.
@@ -263,6 +270,10 @@ def _how_qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: t
             return F.linear(x, *stack_linears(3, *stacked_parameters(query, key, value)))
 
         return run
+    quantized = x.device.type == "cpu" and int8.stacked_gemm(
+        x, query, (query, key, value), lambda: stacked_parameters(query, key, value), _stack_qkv)
+    if quantized:
+        return quantized
     if x.device.type == "cpu" and onednn_applies(x, params, dispatch.why_reference(x)):  # (gradients may reach x)
         def run(x):
             params = stacked_parameters(query, key, value)

@@ -109,12 +109,12 @@ def measure(dtype: torch.dtype) -> dict[str, dict[int, float]]:
             x = torch.randn(tokens, 768, generator=generator).to(dtype)
             calls = {"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: linear(x, packed, bias)}
             gflop = 2 * tokens * 768 * 768 / 1e9
-            for name, seconds in _median_seconds(calls).items():
+            for name, seconds in median_seconds(calls).items():
                 figures[name][tokens] = round(gflop / seconds, 1)
     return figures
 
 
-def _median_seconds(calls: dict, warmup: int = 3, reps: int = 21) -> dict[str, float]:
+def median_seconds(calls: dict, warmup: int = 3, reps: int = 21) -> dict[str, float]:
     """Median seconds of each call, timed in turns (a change of clock or load affects every library alike)."""
     for _ in range(warmup):
         for call in calls.values():

@@ -1,0 +1,224 @@
+"""Int8 GEMMs at run time: which Linears run them, over which rows the activation range is taken, and whether int8
+runs on this CPU at all. ``fastbert.quantize`` (``quantize.py``) chooses the Linears; the GEMM ops (``ops.py``,
+``gated_mlp.py``) ask ``gemm`` / ``stacked_gemm`` here for a runner and fall back to fp32 where they get None.
+
+- A Linear chosen for int8 carries a ``Choice`` (weight bits, SmoothQuant divisor) in its ``__dict__``: no parameter
+  or buffer, so state_dict, ``save_pretrained`` and the fp32 weights are untouched. Its quantized weight is a cache
+  derived from the fp32 weight (``derived.py``): rebuilt after any write to it, empty in copies and pickles.
+- The activation range of each GEMM is taken over the rows that are real tokens (``counting``): packed batches carry
+  spare rows after them, dense batches with ``unpad=False`` carry padding. So padding never widens it, and a
+  sentence's embedding does not depend on its batch beyond the range its batch mates set.
+- Int8 runs where the CPU has oneDNN's quantized linear, it measures faster than the fp32 GEMM that would run
+  otherwise (``cpu.int8_figures``, once per machine, like the fp32 GEMM choice), ``FASTBERT_CPU_INT8`` is not
+  ``off``, the model is float32 on the CPU and no gradient is needed: training runs the fp32 GEMMs, said once.
+"""
+
+import threading
+
+import torch
+from torch import nn
+
+from . import announce, cpu, derived, dispatch, plan
+from .kernels import int8_linear
+
+ATTRIBUTE = "_fastbert_int8"  # on a chosen nn.Linear: its Choice
+
+# CPUs that sum u8 x s8 products in int32 (VNNI, AMX) multiply 8-bit weights exactly; the others saturate (module
+# docstring of kernels/int8_linear.py) and get 7-bit weights.
+_INT32_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+# Int8 replaces the fp32 GEMM only when at least this much faster at every measured size (as ONEDNN_MARGIN).
+INT8_MARGIN = 1.1
+
+
+class Choice:
+    """How one Linear runs in int8: ``bits`` of weight, ``smooth`` [in] (the SmoothQuant divisor) or None, and
+    whether its input gets one scale per token (``per_token``) or one per call."""
+
+    __slots__ = ("bits", "smooth", "per_token")
+
+    def __init__(self, bits: int, smooth: torch.Tensor | None = None, per_token: bool = False):
+        self.bits, self.smooth, self.per_token = bits, smooth, per_token
+
+
+def choose(linear: nn.Linear, choice: Choice | None) -> None:
+    """Run ``linear`` in int8 as ``choice`` says (None: in fp32); its quantized weight is rebuilt, and the next
+    forward of every model decides its ops again."""
+    if choice is None:
+        linear.__dict__.pop(ATTRIBUTE, None)
+    else:
+        linear.__dict__[ATTRIBUTE] = choice
+    derived.clear(linear)
+    plan.converted()
+
+
+def chosen(linear: nn.Module) -> Choice | None:
+    return linear.__dict__.get(ATTRIBUTE)
+
+
+# --- the CPU --------------------------------------------------------------------------------------------------------
+
+
+def isa_path() -> str:
+    """The instruction set the int8 GEMMs run on here, as ``fastbert.info()`` names it."""
+    flags = cpu.identity()["flags"]
+    for flag in _INT32_DOT_FLAGS:
+        if flags[flag]:
+            return f"{flag} (8-bit weights)"
+    return "avx2 without VNNI (7-bit weights, exact u8 x s8 products)" if flags["avx2"] else "no AVX2 (7-bit weights)"
+
+
+def weight_bits() -> int:
+    flags = cpu.identity()["flags"]
+    return 8 if any(flags[flag] for flag in _INT32_DOT_FLAGS) else 7
+
+
+def unavailable_reasons() -> list[str]:
+    """Why int8 GEMMs do not run on this machine with these settings (empty: they do)."""
+    if dispatch.settings().cpu_int8 == "off":
+        return [f"{dispatch.ENV_CPU_INT8}=off"]
+    reasons = int8_linear.unavailable_reasons()
+    if not reasons:
+        slower = cpu.int8_slower_reason(weight_bits(), INT8_MARGIN)
+        reasons += [slower] if slower else []
+    return reasons
+
+
+def _why_not(x: torch.Tensor, weights: tuple) -> str | None:
+    """Why this call of a chosen GEMM runs in fp32, or None."""
+    if torch.compiler.is_compiling() or dispatch.exporting():
+        return "compiled and exported graphs keep the fp32 GEMMs"
+    if x.dtype != torch.float32 or any(w.dtype != torch.float32 for w in weights):
+        return f"int8 GEMMs take a float32 model, not {x.dtype}"
+    if torch.is_autocast_enabled("cpu") or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return "autocast and torch.func transforms run the fp32 GEMMs"
+    if not all(type(w) is nn.Parameter for w in weights):
+        return "a weight that is not the module's parameter has no quantized cache"
+    reasons = unavailable_reasons()
+    return "; ".join(reasons) if reasons else None
+
+
+def training_fallback(linear: nn.Module) -> None:
+    """A chosen Linear runs in fp32 because gradients are needed or dropout is active: said once."""
+    if chosen(linear) is not None:
+        announce.fallback("int8 GEMMs run in float32 where gradients are required or dropout is active (training)")
+
+
+# --- the rows that are tokens ---------------------------------------------------------------------------------------
+
+_counting = threading.local()  # .layout: the TokenLayout of the forward running in this thread, or None
+
+
+class counting:
+    """``with counting(layout):`` the int8 GEMMs called in this thread take their range over ``layout``'s tokens."""
+
+    def __init__(self, layout):
+        self.layout = layout
+
+    def __enter__(self):
+        self.outer = getattr(_counting, "layout", None)
+        _counting.layout = self.layout
+
+    def __exit__(self, *exc):
+        _counting.layout = self.outer
+
+
+def real_rows(x: torch.Tensor) -> int | torch.Tensor:
+    """The rows of ``x`` that are tokens: a count of leading rows, or [R] row indices (a dense batch with padding)."""
+    layout = getattr(_counting, "layout", None)
+    if layout is None:  # (an op called outside a model forward: every row counts)
+        return x.shape[0]
+    if layout.packed or layout.key_padding_mask is None:
+        return layout.tokens
+    return layout.key_padding_mask.flatten().nonzero().squeeze(1)
+
+
+# --- what the GEMM inputs hold, for SmoothQuant ----------------------------------------------------------------------
+
+_recording = threading.local()  # .absmax: {nn.Linear: [in] max |x| per channel} while ``recording``, else None
+
+
+class recording:
+    """``with recording() as absmax:`` the int8 GEMMs run in this thread keep, per Linear, the largest |x| of each
+    input channel over the real tokens (what ``fastbert.quantize`` smooths by)."""
+
+    def __enter__(self):
+        self.outer = getattr(_recording, "absmax", None)
+        _recording.absmax = {}
+        return _recording.absmax
+
+    def __exit__(self, *exc):
+        _recording.absmax = self.outer
+
+
+def _record(linears: tuple[nn.Linear, ...], x: torch.Tensor) -> None:
+    absmax = getattr(_recording, "absmax", None)
+    if absmax is None:
+        return
+    rows = real_rows(x)
+    seen = (x[:rows] if isinstance(rows, int) else x.index_select(0, rows)).abs().amax(dim=0)  # [in]
+    for linear in linears:
+        absmax[linear] = seen if linear not in absmax else torch.maximum(absmax[linear], seen)
+
+
+# --- runners --------------------------------------------------------------------------------------------------------
+
+
+def gemm(x: torch.Tensor, dense: nn.Linear, activation: str | None = None):
+    """A runner of act(dense(x)), or dense(x) + residual (``run(x, residual)``), in int8; None where ``dense`` is
+    not chosen or int8 does not run this call (said once). ``dense``: a plain nn.Linear, no gradient needed."""
+    choice = chosen(dense)
+    if choice is None or not _runs(x, (dense.weight,)):
+        return None
+
+    def run(x, residual=None):
+        _record((dense,), x)
+        weight = derived.cached(dense, "int8_weight", (dense.weight,), _quantizer(choice))
+        return int8_linear.linear(x, weight, dense.bias, activation, residual, real_rows(x), choice.per_token)
+
+    return run
+
+
+def stacked_gemm(x: torch.Tensor, owner: nn.Linear, linears: tuple[nn.Linear, ...], parameters, stack):
+    """A runner of the GEMM of ``linears`` side by side (QKV; GLU's up and gate) in int8, or None (as ``gemm``).
+    ``parameters()``: their stacked parameters now; ``stack(*parameters)``: (weight, bias) stacked; the quantized
+    weight is cached on ``owner``. The linears share their input, so the first one's choice applies to all."""
+    choice = chosen(owner)
+    if choice is None or any(chosen(m) is None for m in linears) or not _runs(x, tuple(m.weight for m in linears)):
+        return None
+    quantize = _quantizer(choice)
+
+    def build(*params):
+        weight, bias = stack(*params)
+        return quantize(weight), bias
+
+    def run(x):
+        _record(linears, x)
+        weight, bias = derived.cached(owner, "int8_stacked", parameters(), build)
+        return int8_linear.linear(x, weight, bias, rows=real_rows(x), per_token=choice.per_token)
+
+    return run
+
+
+def _runs(x: torch.Tensor, weights: tuple) -> bool:
+    why = _why_not(x, weights)
+    if why is not None:
+        announce.fallback(f"int8 GEMMs run in float32: {why}")
+    return why is None
+
+
+def _quantizer(choice: Choice):
+    return lambda weight: int8_linear.quantize_weight(weight, choice.bits, choice.smooth)
+
+
+def report() -> dict:
+    """``fastbert.info()["int8"]``: whether int8 runs here, why not, on which ISA path, what was measured."""
+    reasons = unavailable_reasons()
+    return {
+        "available": not reasons,
+        "reasons": reasons,
+        "requested": dispatch.settings().cpu_int8,
+        "isa": isa_path(),
+        "weight_bits": weight_bits(),
+        "margin": INT8_MARGIN,
+        "measured_gflops": cpu.int8_figures_so_far(),
+    }
