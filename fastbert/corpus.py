@@ -1,0 +1,137 @@
+"""Corpus embedding on any engine: one picklable callable that Ray Data, Spark and a plain loop all call on batches.
+
+    embed = fastbert.corpus.Embedder("sentence-transformers/all-MiniLM-L6-v2")     # holds only its arguments
+    embed.embed(["a text", "another"])                  # -> float32 array [2, hidden], L2-normalized
+    embed({"id": ids, "text": texts})                   # -> the batch with an "embedding" column [rows, hidden]
+
+    ray.data.read_parquet(src).map_batches(Embedder, fn_constructor_args=(path,), batch_size=256,
+                                           compute=ray.data.ActorPoolStrategy(size=4)).write_parquet(dst)
+    predict_batch_udf(lambda: Embedder(path).embed, return_type=ArrayType(FloatType()), batch_size=256)
+
+The engine ships the object to its workers (pickle); each worker process loads the tokenizer and the model once, on
+its first batch, through ``fastbert.AutoModel`` (accelerated there: derived caches, settings and CUDA graphs are per
+process and never travel). A batch is tokenized without padding, sorted by length and cut into sub-batches of at
+most ``token_budget`` padded tokens, so short texts are not padded to the longest of the batch and memory stays
+bounded whatever the engine's batch size; outputs come back in the input's order. Nothing here imports an engine:
+the engines call it, with their own scheduling, retries and I/O (docs/scale-out.md).
+"""
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import transformers
+
+from .auto import AutoModel
+
+POOLINGS = ("mean", "cls")
+
+
+class Embedder:
+    """Texts -> sentence embeddings with a transformers checkpoint through fastbert.
+
+    model: a local directory or Hub id that ``transformers.AutoModel``/``AutoTokenizer`` load (a sentence-transformers
+        model's directory holds one). pooling: ``"mean"`` over the real tokens (all-MiniLM, most sentence-transformers
+        models) or ``"cls"`` (the first token's state). normalize: L2-normalize each embedding. max_length: longer
+        texts are truncated (default: the tokenizer's limit, at most the model's position table). token_budget: the
+        most padded tokens (rows x longest row) per forward. text_column / output_column: the batch columns read and
+        written by ``__call__``. device: where the model runs in each worker (``"cuda"`` on GPU workers).
+    """
+
+    def __init__(self, model: str | os.PathLike, *, pooling: str = "mean", normalize: bool = True,
+                 max_length: int | None = None, token_budget: int = 16384, text_column: str = "text",
+                 output_column: str = "embedding", device: str | torch.device = "cpu"):
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model: expected a path or Hub id (str or os.PathLike), got {type(model).__name__}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r}: expected one of {', '.join(POOLINGS)}")
+        for name, value in (("max_length", max_length), ("token_budget", token_budget)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: expected a positive int")
+        self.model, self.pooling, self.normalize = os.fspath(model), pooling, normalize
+        self.max_length, self.token_budget = max_length, token_budget
+        self.text_column, self.output_column = text_column, output_column
+        self.device = torch.device(device)
+        self._loaded = None  # (tokenizer, model, max_length) once this process has loaded them
+        self._lock = threading.Lock()
+
+    # Pickles (to an engine's workers) carry the arguments only: each process loads its own model.
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_loaded", "_lock")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _loaded=None, _lock=threading.Lock())
+
+    def load(self):
+        """The tokenizer, the model in eval mode on ``device`` and the truncation length: loaded on first use, once
+        per process (an engine's actor or Python worker), then kept."""
+        with self._lock:
+            if self._loaded is None:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(self.model)
+                model = AutoModel.from_pretrained(self.model).to(self.device).eval()
+                limit = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", 1 << 30))
+                self._loaded = tokenizer, model, min(self.max_length or limit, limit)
+            return self._loaded
+
+    def embed(self, texts: Sequence[str] | np.ndarray) -> np.ndarray:
+        """Embeddings of ``texts`` (a sequence or 1-D array of str), float32 [len(texts), hidden], in their order.
+        The ``make_predict_fn`` result for Spark's ``predict_batch_udf``."""
+        texts = list(texts.tolist() if isinstance(texts, np.ndarray) else texts)
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}]: expected str, got {type(text).__name__} ({text!r:.40})")
+        tokenizer, model, max_length = self.load()
+        width = model.config.hidden_size
+        if not texts:
+            return np.zeros((0, width), dtype=np.float32)
+        ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]  # unpadded, one list per text
+        out = np.empty((len(texts), width), dtype=np.float32)
+        for rows in self._sub_batches([len(row) for row in ids]):
+            batch = tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt")
+            with torch.inference_mode():
+                out[rows] = self._pool(model, batch["input_ids"].to(self.device),
+                                       batch["attention_mask"].to(self.device)).float().cpu().numpy()
+        return out
+
+    def _sub_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Row indices grouped shortest first, each group at most ``token_budget`` padded tokens (one row alone
+        may exceed it): rows x the group's longest length."""
+        groups, group, longest = [], [], 0
+        for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+            longest_with = max(longest, lengths[i])
+            if group and longest_with * (len(group) + 1) > self.token_budget:
+                groups.append(group)
+                group, longest_with = [], lengths[i]
+            group.append(i)
+            longest = longest_with
+        return groups + [group]
+
+    def _pool(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[rows, S] ids and mask -> [rows, hidden] pooled (and normalized) states."""
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [rows, S, hidden]
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            mask = attention_mask[..., None].to(hidden.dtype)  # [rows, S, 1]
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+
+    def __call__(self, batch):
+        """A Ray Data / pandas batch -> the same batch with ``output_column`` added: a dict of columns (Ray's
+        ``"numpy"`` format) gets a float32 [rows, hidden] array, a pandas DataFrame a column of [hidden] arrays."""
+        if isinstance(batch, Mapping):
+            columns = batch
+        elif hasattr(batch, "columns") and hasattr(batch, "assign"):  # a pandas DataFrame (not imported here)
+            columns = {name: batch[name] for name in batch.columns}
+        else:
+            raise TypeError(f"batch: expected a dict of columns or a pandas DataFrame, got {type(batch).__name__}")
+        if self.text_column not in columns:
+            raise KeyError(f"text_column={self.text_column!r} is not a column of the batch (it has "
+                           f"{', '.join(map(str, columns)) or 'none'})")
+        texts = columns[self.text_column]
+        embeddings = self.embed(texts.to_numpy() if hasattr(texts, "to_numpy") else texts)
+        if isinstance(batch, Mapping):
+            return {**batch, self.output_column: embeddings}
+        return batch.assign(**{self.output_column: list(embeddings)})
