@@ -10,7 +10,8 @@ Backends, fastest first:
 
 ``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice; ``FASTBERT_BACKEND=torch`` also keeps the GEMMs on
 ``F.linear``, and ``FASTBERT_CPU_GEMM=auto|onednn|torch`` picks the CPU GEMM library alone;
-``FASTBERT_CPU_INT8=off`` keeps a quantized model's GEMMs in float32 (``int8.py``). The environment is read
+``FASTBERT_CPU_INT8=auto|on|off`` runs a quantized model's GEMMs in int8 where measured faster, wherever they run,
+or never (``int8.py``). The environment is read
 once, at the first forward (``reload_settings()`` reads it again): an op's choice then costs one dict lookup.
 Each backend states why it does not apply; ``fastbert.info()`` reports those reasons, and the first time a faster
 backend is skipped for a reason other than the user's own choice, a warning says why.
@@ -38,7 +39,7 @@ _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class Settings:
     backend: str  # FASTBERT_BACKEND: auto, torch or triton
     cpu_gemm: str  # FASTBERT_CPU_GEMM: auto, onednn or torch
-    cpu_int8: str  # FASTBERT_CPU_INT8: auto (int8 GEMMs where fastbert.quantize chose them and they are faster) or off
+    cpu_int8: str  # FASTBERT_CPU_INT8: auto (quantized GEMMs in int8 where measured faster), on, or off (float32)
     interpreter: bool  # TRITON_INTERPRET set: Triton may run CPU tensors (through its interpreter)
 
 
@@ -59,7 +60,7 @@ def settings() -> Settings:
         _settings = Settings(
             backend=_read(ENV_BACKEND, ("auto", "torch", "triton")),
             cpu_gemm=_read(ENV_CPU_GEMM, ("auto", "onednn", "torch")),
-            cpu_int8=_read(ENV_CPU_INT8, ("auto", "off")),
+            cpu_int8=_read(ENV_CPU_INT8, ("auto", "on", "off")),
             interpreter=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
         )
     return _settings

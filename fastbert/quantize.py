@@ -22,6 +22,7 @@ embeddings stay what they were.
 """
 
 import collections
+import inspect
 import logging
 import os
 import threading
@@ -238,7 +239,7 @@ def _classification_head(model, encoders):
 
 
 def _accepted(module: nn.Module, batch: dict) -> dict:
-    names = getattr(module, "_hf_parameters", None) or module.forward.__code__.co_varnames
+    names = getattr(module, "_hf_parameters", None) or inspect.signature(module.forward).parameters
     return {k: v for k, v in batch.items() if k in names}
 
 
