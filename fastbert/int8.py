@@ -10,7 +10,8 @@ runs on this CPU at all. ``fastbert.quantize`` (``quantize.py``) chooses the Lin
   sentence's embedding does not depend on its batch beyond the range its batch mates set.
 - Int8 runs where the CPU has oneDNN's quantized linear, it measures faster than the fp32 GEMM that would run
   otherwise (``cpu.int8_figures``, once per machine, like the fp32 GEMM choice; ``FASTBERT_CPU_INT8=on`` skips that
-  test, ``off`` keeps float32), the model is float32 on the CPU and no gradient is needed: training runs the fp32 GEMMs, said once.
+  test, ``off`` keeps float32), the model is float32 on the CPU and no gradient is needed: training runs the fp32
+  GEMMs, said once.
 """
 
 import threading

@@ -106,7 +106,7 @@ def test_bad_input_raises():
         int8_linear.quantize_weight(torch.randn(8, 4), 4)
 
 
-# --- models -----------------------------------------------------------------------------------------------------------
+# --- models ---------------------------------------------------------------------------------------------------------
 
 
 def int8_caches(model) -> int:
@@ -204,7 +204,7 @@ def test_unpad_false_takes_real_tokens_only(int8_on, small_bert_config):
     torch.testing.assert_close(dense[mask.bool()], packed[mask.bool()], rtol=1e-5, atol=1e-5)
 
 
-# --- the guard ----------------------------------------------------------------------------------------------------------
+# --- the guard ------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +292,7 @@ def test_guard_needs_a_tokenizer(int8_on, small_bert_config):
         fastbert.quantize(model, tokenizer=lambda *a, **k: None, texts=[""])
 
 
-# --- the model around it ----------------------------------------------------------------------------------------------
+# --- the model around it --------------------------------------------------------------------------------------------
 
 
 def test_state_dict_and_save_pretrained_unchanged(int8_on, small_bert_config, tmp_path):
