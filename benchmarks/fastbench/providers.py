@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .models import ModelSet, is_fastbert
+from .models import ModelSet, bert_tokenizer, is_fastbert
 
 Forward = Callable[[dict], object]  # inputs (input_ids, attention_mask) -> model output with .last_hidden_state
 Log = Callable[[str], None]
@@ -34,6 +34,7 @@ class Provider:
     build: Callable[[ModelSet, argparse.Namespace, Log], Forward]
     checked: bool = True  # validated against hf-sdpa before timing (all but the baseline)
     missing: Callable[[], str | None] = lambda: None  # why it cannot run in this environment, or None
+    quantized: bool = False  # int8: checked by pooled cosine (check.check_quantized), not by the fp32 rule
 
 
 def _module_forward(model: torch.nn.Module) -> Forward:
@@ -85,6 +86,31 @@ def _build_fastbert_graphs(ms: ModelSet, opts, log) -> Forward:
     return _module_forward(fastbert.cuda_graphs(_fastbert_model(ms, log)))
 
 
+def _build_fastbert_int8(ms: ModelSet, opts, log) -> Forward:
+    """fastbert.quantize of the fastbert model, with its guard on the shipped sentences where a tokenizer of the
+    model's vocabulary is at hand (BERT's: all-MiniLM-L6-v2's), else without (its output check still runs)."""
+    import fastbert
+
+    if ms.device.type != "cpu" or ms.dtype != "fp32":
+        raise Unavailable("fastbert.quantize runs float32 models on the CPU")
+    model = _fastbert_model(ms, log)
+    tokenizer = bert_tokenizer() if ms.config.vocab_size == 30522 else None
+    fastbert.quantize(model, guard=tokenizer is not None, tokenizer=tokenizer)
+    report = fastbert.info()["int8"]["models"][-1]
+    if report["outcome"] != "int8":
+        raise Unavailable(f"fastbert.quantize kept {ms.name} in float32: {report.get('why')}")
+    figures = ", ".join(f"{k} {report[k]}" for k in ("mean_cosine", "p1_cosine", "min_cosine") if k in report)
+    log(f"  fastbert-int8: {report['isa']}; recipe: {report['recipe']}; float32 layers: "
+        f"{report['float32_layers'] or 'none'}" + (f"; guard: {figures}" if figures else "; no guard (no tokenizer)"))
+    return _module_forward(model)
+
+
+def _build_ort_int8(ms: ModelSet, opts, log) -> Forward:
+    from .ort_provider import build_ort
+
+    return build_ort(ms, opts, log, int8=True)
+
+
 def _ort_missing() -> str | None:
     from .ort_provider import ort_missing
 
@@ -120,6 +146,12 @@ PROVIDERS: dict[str, Provider] = {
         Provider("ort", "onnxruntime (CPU, fp32): the HF model exported to ONNX with eager attention and fused by "
                  "onnxruntime.transformers.optimizer (model_type='bert'); threads = torch's; needs onnxruntime",
                  ("cpu",), ("cpu",), _build_ort, missing=_ort_missing),
+        Provider("fastbert-int8", "fastbert.quantize(fastbert model): int8 GEMMs through oneDNN, guarded on real "
+                 "sentences where a tokenizer of its vocabulary is at hand (cpu, fp32); checked by pooled cosine",
+                 ("cpu",), (), _build_fastbert_int8, quantized=True),
+        Provider("ort-int8", "ort, then onnxruntime.quantization.quantize_dynamic (s8 weights per channel, 7-bit "
+                 "without VNNI/AMX); checked by pooled cosine; needs onnxruntime", ("cpu",), (), _build_ort_int8,
+                 missing=_ort_missing, quantized=True),
     ]
 }
 

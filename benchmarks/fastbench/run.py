@@ -15,7 +15,7 @@ import torch
 from . import models
 from .cases import (LENGTH_DISTRIBUTION, VARIED_DISTRIBUTION, Case, bert_flops, make_cases, make_inputs,
                     varied_inputs)
-from .check import REFERENCE_DTYPE, Check, OutputMismatch, check_outputs
+from .check import REFERENCE_DTYPE, Check, OutputMismatch, check_outputs, check_quantized
 from .cli import build_parser, resolve
 from .env import cpu_identity, device_name, fastbert_backends, gpu_identity, gpu_settings, machine_slug, version
 from .providers import BASELINE, PROVIDERS, Forward, build_forwards, provider_missing
@@ -58,7 +58,10 @@ def check_case(case: Case, ms, forwards: dict[str, Forward], inputs: dict, keep_
             continue
         try:
             out = forward(inputs).last_hidden_state
-            check = check_outputs(out, hf_out, inputs["attention_mask"], case.dtype)
+            if PROVIDERS[name].quantized:
+                check = check_quantized(out, hf_out, inputs["attention_mask"])
+            else:
+                check = check_outputs(out, hf_out, inputs["attention_mask"], case.dtype)
             if not check.ok and check.rule.startswith("abs"):  # fp32 off by > 1e-4, or fp16/bf16: vs a reference
                 if ref is None:
                     with torch.inference_mode():
