@@ -70,10 +70,15 @@ class Embedder:
         with self._lock:
             if self._loaded is None:
                 tokenizer = transformers.AutoTokenizer.from_pretrained(self.model)
-                model = AutoModel.from_pretrained(self.model).to(self.device).eval()
+                model = self.prepare(AutoModel.from_pretrained(self.model).to(self.device).eval())
                 limit = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", 1 << 30))
                 self._loaded = tokenizer, model, min(self.max_length or limit, limit)
             return self._loaded
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Called once per process on the loaded model, before its first batch; returns the model to use. Override
+        it for per-worker steps, e.g. ``fastbert.cuda_graphs(model)`` on GPU workers (graphs are never pickled)."""
+        return model
 
     def embed(self, texts: Sequence[str] | np.ndarray) -> np.ndarray:
         """Embeddings of ``texts`` (a sequence or 1-D array of str), float32 [len(texts), hidden], in their order.

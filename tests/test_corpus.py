@@ -75,6 +75,20 @@ def test_pickles_carry_arguments_not_the_model(checkpoint):
     np.testing.assert_allclose(copy.embed(["loaded once"]), embedder.embed(["loaded once"]), rtol=0, atol=1e-6)
 
 
+def test_prepare_runs_once_per_process(checkpoint):
+    class Counting(Embedder):
+        prepared = 0
+
+        def prepare(self, model):
+            Counting.prepared += 1
+            return model
+
+    embedder = Counting(checkpoint, token_budget=64)
+    for _ in range(3):
+        embedder.embed(corpus_texts(10))
+    assert Counting.prepared == 1
+
+
 def test_cls_pooling_without_normalization(checkpoint):
     transformers = pytest.importorskip("transformers")
     import torch

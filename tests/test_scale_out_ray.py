@@ -23,22 +23,19 @@ ACTORS = 2  # each with one CPU; ray.init gets one more for the read and write t
 
 
 class RecordingEmbedder(Embedder):
-    """The Embedder, writing one line per model load (pid and the settings the worker read) to ``log``, and
+    """The Embedder, writing one line per model load (``prepare``: pid and the settings the worker read) to ``log``, and
     ending its process (``os._exit``, as a crash or an OOM kill would) in the first batch holding ``kill_id``."""
 
     def __init__(self, *args, log: str, kill_id: int | None = None, marker: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.log, self.kill_id, self.marker = log, kill_id, marker
 
-    def load(self):
-        first = self._loaded is None
-        loaded = super().load()
-        if first:
-            import fastbert
+    def prepare(self, model):
+        import fastbert
 
-            with open(self.log, "a") as f:
-                f.write(f"{os.getpid()} {fastbert.dispatch.settings().cpu_gemm} {os.environ.get('FASTBERT_CACHE_DIR')}\n")
-        return loaded
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {fastbert.dispatch.settings().cpu_gemm} {os.environ.get('FASTBERT_CACHE_DIR')}\n")
+        return model
 
     def __call__(self, batch):
         if self.kill_id is not None and self.kill_id in batch["id"]:
