@@ -20,6 +20,7 @@ never widen it, so a sentence's result does not depend on what else is in its ba
 """
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -63,16 +64,19 @@ def quantize_weight(weight: torch.Tensor, bits: int, smooth: torch.Tensor | None
     return QuantizedWeight(packed, scales, zero_points, smooth, bits, weight.shape[1])
 
 
-def activation_qparams(x: torch.Tensor) -> tuple[float, int]:
-    """(s_x, z_x) of u8 covering [min(x, 0), max(x, 0)] (0 is exact, so is a zero activation). x: the real rows."""
-    if x.numel() == 0:
-        return 1.0, 0
-    low, high = torch.aminmax(x)
-    low, high = min(float(low), 0.0), max(float(high), 0.0)
+def qparams(low: float, high: float) -> tuple[float, int]:
+    """(s_x, z_x) of u8 covering [min(low, 0), max(high, 0)] (0 is exact, so is a zero activation)."""
+    low, high = min(low, 0.0), max(high, 0.0)
     scale = (high - low) / 255.0
-    if scale == 0.0 or not torch.isfinite(torch.tensor(scale)):
+    if scale == 0.0 or not math.isfinite(scale):
         return 1.0, 0
     return scale, int(min(255, max(0, round(-low / scale))))
+
+
+def _as_u8(q: torch.Tensor) -> torch.Tensor:
+    """Integral float32 values in [-128, 127] -> uint8 of value + 128: through int8 (torch converts float32 to int8
+    vectorized, to uint8 about 3x slower), then the sign bit flipped (two's complement v + 128 is v ^ 0x80)."""
+    return q.to(torch.int8).view(torch.uint8).bitwise_xor_(0x80)
 
 
 def quantize_activation(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None = None):
@@ -80,9 +84,11 @@ def quantize_activation(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch
     rows indexed by ``rows``, [R] int64)."""
     if smooth is not None:
         x = x / smooth
-    scale, zero_point = activation_qparams(x[:rows] if isinstance(rows, int) else x.index_select(0, rows))
-    q = torch.mul(x, 1.0 / scale).add_(zero_point).round_().clamp_(0, 255)
-    return q.to(torch.uint8), scale, zero_point
+    real = x[:rows] if isinstance(rows, int) else x.index_select(0, rows)
+    scale, zero_point = qparams(*(float(v) for v in torch.aminmax(real))) if real.numel() else (1.0, 0)
+    # x_q - 128 = clamp(round(x / s_x) + z_x - 128, -128, 127)
+    shifted = torch.mul(x, 1.0 / scale).add_(zero_point - 128).round_().clamp_(-128, 127)
+    return _as_u8(shifted), scale, zero_point
 
 
 def quantize_activation_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None):
@@ -91,7 +97,7 @@ def quantize_activation_per_token(x: torch.Tensor, smooth: torch.Tensor | None =
     if smooth is not None:
         x = x / smooth
     scales = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127  # [tokens, 1]
-    return torch.div(x, scales).round_().add_(128).to(torch.uint8), scales
+    return _as_u8(torch.div(x, scales).round_()), scales  # (|x / s_x| <= 127)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bits: int,
