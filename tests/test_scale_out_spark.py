@@ -37,6 +37,7 @@ def checkpoint() -> str:
 @pytest.fixture(scope="module")
 def spark():
     """A local Spark: workers run this Python; fastbert's settings reach them through ``spark.executorEnv``."""
+    before = os.environ.get("PYSPARK_PYTHON")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     session = (SparkSession.builder.master("local[2,2]").appName("fastbert-scale-out")
                .config("spark.executorEnv.FASTBERT_CACHE_DIR", os.environ["FASTBERT_CACHE_DIR"])
@@ -46,6 +47,10 @@ def spark():
         yield session
     finally:
         session.stop()
+        if before is None:
+            del os.environ["PYSPARK_PYTHON"]
+        else:
+            os.environ["PYSPARK_PYTHON"] = before
 
 
 @pytest.fixture(scope="module")
