@@ -21,6 +21,7 @@ never widen it, so a sentence's result does not depend on what else is in its ba
 
 import functools
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -79,25 +80,48 @@ def _as_u8(q: torch.Tensor) -> torch.Tensor:
     return q.to(torch.int8).view(torch.uint8).bitwise_xor_(0x80)
 
 
+# The float32 temporary of a quantization is written into the same memory on every call of a thread, up to this
+# size: a fresh allocation of a few MB pays its page faults on every call (scaling a 1024 x 3072 activation here:
+# 0.77 ms into new memory, 0.35 ms into reused memory).
+SCRATCH_BYTES = 64 << 20
+_scratch = threading.local()
+
+
+def _scratch_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialized float32 tensor of x's shape: this thread's scratch memory where it fits."""
+    numel = x.numel()
+    if numel * 4 > SCRATCH_BYTES:
+        return torch.empty(x.shape)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        with torch.inference_mode(False):  # (a normal tensor: usable as out= in and outside inference mode)
+            buffer = _scratch.buffer = torch.empty(numel)
+    return buffer[:numel].view(x.shape)
+
+
 def quantize_activation(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None = None):
     """x [tokens, in] fp32 -> (u8 x_q [tokens, in], s_x, z_x), the range taken from the first ``rows`` rows (or the
     rows indexed by ``rows``, [R] int64)."""
+    scaled = _scratch_like(x)
     if smooth is not None:
-        x = x / smooth
+        x = torch.div(x, smooth, out=scaled)
     real = x[:rows] if isinstance(rows, int) else x.index_select(0, rows)
     scale, zero_point = qparams(*(float(v) for v in torch.aminmax(real))) if real.numel() else (1.0, 0)
     # x_q - 128 = clamp(round(x / s_x) + z_x - 128, -128, 127)
-    shifted = torch.mul(x, 1.0 / scale).add_(zero_point - 128).round_().clamp_(-128, 127)
-    return _as_u8(shifted), scale, zero_point
+    torch.mul(x, 1.0 / scale, out=scaled).add_(zero_point - 128).round_().clamp_(-128, 127)
+    return _as_u8(scaled), scale, zero_point
 
 
 def quantize_activation_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None):
     """x [tokens, in] fp32 -> (u8 x_q [tokens, in], s_x [tokens, 1]): symmetric per row, x_q = round(x / s_x) + 128
     (one zero point for every row, so the GEMM takes it; each row's scale is applied to its output row after)."""
+    scaled = _scratch_like(x)
     if smooth is not None:
-        x = x / smooth
-    scales = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127  # [tokens, 1]
-    return _as_u8(torch.div(x, scales).round_()), scales  # (|x / s_x| <= 127)
+        x = torch.div(x, smooth, out=scaled)
+    largest = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)  # max |x| per row, [tokens, 1]
+    scales = largest.clamp_min(torch.finfo(torch.float32).tiny) / 127
+    torch.div(x, scales, out=scaled).round_()  # (|x / s_x| <= 127)
+    return _as_u8(scaled), scales
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bits: int,
