@@ -107,8 +107,8 @@ def quantize_activation(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch
         x = torch.div(x, smooth, out=scaled)
     real = x[:rows] if isinstance(rows, int) else x.index_select(0, rows)
     scale, zero_point = qparams(*(float(v) for v in torch.aminmax(real))) if real.numel() else (1.0, 0)
-    # x_q - 128 = clamp(round(x / s_x) + z_x - 128, -128, 127)
-    torch.mul(x, 1.0 / scale, out=scaled).add_(zero_point - 128).round_().clamp_(-128, 127)
+    # x_q - 128 = clamp(round(x / s_x + z_x - 128), -128, 127); the scaling and the shift in one pass
+    torch.add(torch.tensor(zero_point - 128.0), x, alpha=1.0 / scale, out=scaled).round_().clamp_(-128, 127)
     return _as_u8(scaled), scale, zero_point
 
 
