@@ -35,6 +35,26 @@ def test_ort_matches_hf_on_real_tokens(tmp_path, capsys):
         assert op in printed  # onnxruntime's BERT fusions happened
 
 
+def test_int8_providers_are_checked_by_pooled_cosine(tmp_path, capsys, fastbert_env):
+    """fastbert-int8 (its guard ran with BERT's tokenizer) and ort-int8 run, pass the int8 check, and say how they
+    quantized; the check itself refuses an output that is not the same embedding."""
+    pytest.importorskip("onnxruntime")
+    fastbert_env(FASTBERT_CPU_INT8="on")  # (whatever this CPU's measurement says)
+    out = tmp_path / "res"
+    assert bench.main(TINY + ["--providers", "fastbert-int8,ort-int8", "--out", str(out)]) == 0
+    rows = [r for r in bench.read_csv(out / "results.csv") if r["provider"].endswith("int8")]
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), rows
+    printed = capsys.readouterr().out
+    assert "fastbert-int8: " in printed and "recipe: " in printed and "guard: mean_cosine" in printed
+    assert "ort-int8: quantize_dynamic per channel" in printed and "int8: pooled cosine vs hf-sdpa" in printed
+    from fastbench.check import check_quantized
+
+    hf = torch.randn(2, 5, 8)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    assert check_quantized(hf + 1e-3 * torch.randn(2, 5, 8), hf, mask).ok
+    assert not check_quantized(torch.randn(2, 5, 8), hf, mask).ok
+
+
 def test_ort_is_skipped_with_a_reason_without_onnxruntime(monkeypatch, capsys):
     from fastbench import ort_provider
 
