@@ -1,5 +1,5 @@
-"""Int8 quality on real sentences: the real all-MiniLM-L6-v2 in float32 (transformers, SDPA) against fastbert-int8 and
-ort-int8 (the bench providers, same weights), by the cosine of each sentence's mean-pooled embedding, on held-out
+"""Int8 quality on real sentences: the real all-MiniLM-L6-v2 in float32 (transformers, SDPA) against fastbert-int8,
+ort-int8 and openvino-int8 (the bench providers, same weights; openvino-int8 where installed), by the cosine of each sentence's mean-pooled embedding, on held-out
 sentences (``fastbench/int8_heldout.txt``: several languages, code and log lines, 1-60 tokens; none of them is among
 the sentences fastbert's guard runs). Writes ``int8_quality.json`` and ``int8_quality.md`` to --out and prints a
 verdict against the targets: mean cosine >= 0.99, worst >= 0.97, and at least ORT int8's quality.
@@ -54,7 +54,7 @@ def main() -> int:
     ms = ModelSet("minilm", "fp32", torch.device("cpu"), seed=0)
     reference = pooled(PROVIDERS["hf-sdpa"].build(ms, SimpleNamespace(), print), batches)
     results = {}
-    for name in ("fastbert-int8", "ort-int8"):
+    for name in ("fastbert-int8", "ort-int8", "openvino-int8"):
         why = provider_missing(name)
         try:
             if why:

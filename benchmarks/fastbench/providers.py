@@ -111,6 +111,18 @@ def _build_ort_int8(ms: ModelSet, opts, log) -> Forward:
     return build_ort(ms, opts, log, int8=True)
 
 
+def _openvino_missing() -> str | None:
+    from .openvino_provider import openvino_missing
+
+    return openvino_missing()
+
+
+def _build_openvino_int8(ms: ModelSet, opts, log) -> Forward:
+    from .openvino_provider import build_openvino_int8
+
+    return build_openvino_int8(ms, opts, log)
+
+
 def _ort_missing() -> str | None:
     from .ort_provider import ort_missing
 
@@ -152,6 +164,10 @@ PROVIDERS: dict[str, Provider] = {
         Provider("ort-int8", "ort, then onnxruntime.quantization.quantize_dynamic (s8 weights per channel, 7-bit "
                  "without VNNI/AMX); checked by pooled cosine; needs onnxruntime", ("cpu",), (), _build_ort_int8,
                  missing=_ort_missing, quantized=True),
+        Provider("openvino-int8", "OpenVINO: the ort provider's ONNX export, nncf.quantize (8-bit, transformer "
+                 "preset) calibrated on fastbert's guard sentences, compiled for the CPU; checked by pooled cosine; "
+                 "needs openvino and nncf", ("cpu",), (), _build_openvino_int8, missing=_openvino_missing,
+                 quantized=True),
     ]
 }
 

@@ -1,0 +1,81 @@
+"""The ``openvino-int8`` provider: the HF model quantized by OpenVINO's post-training quantization, on the CPU.
+
+    HF model, attn_implementation="eager", fp32, on the shared weights
+      -> the ONNX export of the ort provider (``ort_provider.export_onnx``: dynamic batch and sequence axes)
+      -> openvino.Core().read_model
+      -> nncf.quantize(model_type=TRANSFORMER): 8-bit weights and activations, calibrated here on fastbert's guard
+         sentences (``fastbert/data/int8_guard.txt``) tokenized with a tokenizer of the model's vocabulary
+      -> compile_model("CPU"), INFERENCE_NUM_THREADS = torch.get_num_threads()
+
+Optional: skipped with a reason where openvino or nncf is not installed, and for models whose vocabulary has no
+tokenizer at hand to calibrate with (BERT's 30522: all-MiniLM-L6-v2's).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import os
+import tempfile
+import warnings
+from types import SimpleNamespace
+
+import torch
+
+from .models import ModelSet, bert_tokenizer
+from .providers import Unavailable
+
+
+def openvino_missing() -> str | None:
+    missing = [m for m in ("openvino", "nncf") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (pip install openvino nncf, or the bench extra)"
+    return None
+
+
+def _calibration(tokenizer) -> list[dict]:
+    """The guard's sentences as feeds of 8, padded per batch (numpy int64 input_ids and attention_mask)."""
+    text = importlib.resources.files("fastbert").joinpath("data", "int8_guard.txt").read_text(encoding="utf-8")
+    sentences = [line.strip() for line in text.splitlines() if line.strip()]
+    feeds = []
+    for i in range(0, len(sentences), 8):
+        batch = tokenizer(sentences[i:i + 8], padding=True, truncation=True, max_length=128, return_tensors="np")
+        feeds.append({"input_ids": batch["input_ids"].astype("int64"),
+                      "attention_mask": batch["attention_mask"].astype("int64")})
+    return feeds
+
+
+def build_openvino_int8(ms: ModelSet, opts, log=print):
+    reason = openvino_missing()
+    if reason:
+        raise Unavailable(reason)
+    if ms.device.type != "cpu" or ms.dtype != "fp32":
+        raise Unavailable("quantizes float32 models for the CPU")
+    tokenizer = bert_tokenizer() if ms.config.vocab_size == 30522 else None
+    if tokenizer is None:
+        raise Unavailable(f"no tokenizer of {ms.name}'s vocabulary ({ms.config.vocab_size}) to calibrate with")
+    import nncf
+    import openvino as ov
+
+    from .ort_provider import export_onnx
+
+    core = ov.Core()
+    with tempfile.TemporaryDirectory(prefix="fastbench-openvino-") as folder:
+        path = os.path.join(folder, "model.onnx")
+        export_onnx(ms, path)
+        model = core.read_model(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantized = nncf.quantize(model, nncf.Dataset(_calibration(tokenizer)),
+                                      model_type=nncf.ModelType.TRANSFORMER, subset_size=300)
+    compiled = core.compile_model(quantized, "CPU", {"INFERENCE_NUM_THREADS": torch.get_num_threads()})
+    log(f"  openvino-int8: OpenVINO {ov.__version__}, NNCF {nncf.__version__} (transformer preset), calibrated on "
+        "the guard's sentences")
+
+    def forward(inputs):
+        feed = {"input_ids": inputs["input_ids"].cpu().numpy(),
+                "attention_mask": inputs["attention_mask"].cpu().numpy()}
+        out = compiled(feed)[0]
+        return SimpleNamespace(last_hidden_state=torch.from_numpy(out.copy()))
+
+    return forward
