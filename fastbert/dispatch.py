@@ -176,6 +176,19 @@ def why_reference(*tensors, dropout_p: float = 0.0) -> str | None:
     return None
 
 
+def why_not_prepacked(x: torch.Tensor, weights: tuple) -> str | None:
+    """Why a CPU GEMM of ``x`` with ``weights`` cannot run on weights prepacked beside their parameters (oneDNN's
+    fp32 packing, int8), or None: compiled and exported graphs, autocast (it would not reach the packed op) and
+    torch.func transforms keep F.linear, and a weight that is not the module's parameter has no cache."""
+    if torch.compiler.is_compiling() or exporting():
+        return "compiled and exported graphs keep F.linear"
+    if torch.is_autocast_enabled("cpu") or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return "autocast and torch.func transforms run F.linear"
+    if not all(type(w) is torch.nn.Parameter for w in weights):
+        return "a weight that is not the module's parameter has no prepacked copy"
+    return None
+
+
 def resolve(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> tuple[str, str | None]:
     """``choose``'s answer without announcing: (backend, the fallback to announce on each call that runs it, or
     None). For callers that keep the decision and announce when they run it (``ops.py``)."""

@@ -86,14 +86,11 @@ def unavailable_reasons() -> list[str]:
 
 def _why_not(x: torch.Tensor, weights: tuple) -> str | None:
     """Why this call of a chosen GEMM runs in fp32, or None."""
-    if torch.compiler.is_compiling() or dispatch.exporting():
-        return "compiled and exported graphs keep the fp32 GEMMs"
+    why = dispatch.why_not_prepacked(x, weights)
+    if why is not None:
+        return why
     if x.dtype != torch.float32 or any(w.dtype != torch.float32 for w in weights):
         return f"int8 GEMMs take a float32 model, not {x.dtype}"
-    if torch.is_autocast_enabled("cpu") or torch._C._functorch.is_functorch_wrapped_tensor(x):
-        return "autocast and torch.func transforms run the fp32 GEMMs"
-    if not all(type(w) is nn.Parameter for w in weights):
-        return "a weight that is not the module's parameter has no quantized cache"
     reasons = unavailable_reasons()
     return "; ".join(reasons) if reasons else None
 
@@ -106,7 +103,7 @@ def training_fallback(linear: nn.Module) -> None:
 
 # --- the rows that are tokens ---------------------------------------------------------------------------------------
 
-_counting = threading.local()  # .layout: the TokenLayout of the forward running in this thread, or None
+_counting = threading.local()  # .current: the ``counting`` of the forward running in this thread, or None
 
 
 class counting:
@@ -114,23 +111,28 @@ class counting:
 
     def __init__(self, layout):
         self.layout = layout
+        self._masked_rows = None  # a dense batch with padding: its real rows' indices, found once per forward
 
     def __enter__(self):
-        self.outer = getattr(_counting, "layout", None)
-        _counting.layout = self.layout
+        self.outer = getattr(_counting, "current", None)
+        _counting.current = self
 
     def __exit__(self, *exc):
-        _counting.layout = self.outer
+        _counting.current = self.outer
+
+    def rows(self) -> int | torch.Tensor:
+        layout = self.layout
+        if layout.packed or layout.key_padding_mask is None:
+            return layout.tokens
+        if self._masked_rows is None:
+            self._masked_rows = layout.key_padding_mask.flatten().nonzero().squeeze(1)
+        return self._masked_rows
 
 
 def real_rows(x: torch.Tensor) -> int | torch.Tensor:
     """The rows of ``x`` that are tokens: a count of leading rows, or [R] row indices (a dense batch with padding)."""
-    layout = getattr(_counting, "layout", None)
-    if layout is None:  # (an op called outside a model forward: every row counts)
-        return x.shape[0]
-    if layout.packed or layout.key_padding_mask is None:
-        return layout.tokens
-    return layout.key_padding_mask.flatten().nonzero().squeeze(1)
+    current = getattr(_counting, "current", None)
+    return x.shape[0] if current is None else current.rows()  # (outside a model forward every row counts)
 
 
 # --- what the GEMM inputs hold, for SmoothQuant ----------------------------------------------------------------------

@@ -131,14 +131,7 @@ def onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation: 
 
 def onednn_applies(x: torch.Tensor, weights: tuple, why: str | None = None) -> bool:
     """Whether a CPU GEMM of ``x`` with ``weights`` runs through oneDNN (see ``onednn_gemm``)."""
-    return (
-        not torch.compiler.is_compiling()  # (compiled and exported graphs keep F.linear)
-        and not dispatch.exporting()
-        and all(type(w) is nn.Parameter for w in weights)
-        and not torch.is_autocast_enabled("cpu")
-        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
-        and dispatch.choose("gemm", x, why) == "onednn"
-    )
+    return dispatch.why_not_prepacked(x, weights) is None and dispatch.choose("gemm", x, why) == "onednn"
 
 
 def gemm_epilogue(activation: str | None, device: torch.device) -> bool | None:
