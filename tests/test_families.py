@@ -180,6 +180,18 @@ def check_lora_then_merged(models, input_ids, mask, targets: list[str], assert_m
     return merged
 
 
+def check_every_hidden_state(models, input_ids, mask, assert_matches_hf) -> list:
+    """(fastbert, HF, HF float64) on the same inputs, every hidden state and the last one compared on the real tokens,
+    with no fallback to transformers' forward on the way; returns the outputs."""
+    fallbacks = fastbert.announce.seen()
+    outs = run(models, input_ids, attention_mask=mask, output_hidden_states=True)
+    assert fastbert.announce.seen() == fallbacks, "transformers' forward ran"
+    for i, states in enumerate(zip(*(o.hidden_states for o in outs))):
+        assert_matches_hf(*states, mask, name=f"hidden_states[{i}]")
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+    return outs
+
+
 def run(models, *args, **kwargs):
     with torch.no_grad():
         return [m(*args, **kwargs) for m in models]

@@ -18,8 +18,8 @@ import zipfile
 import pytest
 import torch
 import transformers
-from test_families import (SENTENCES, check_cross_encoder, check_lora_then_merged, check_sentence_transformer,
-                           config_trio, masked_inputs, run, save_checkpoints)
+from test_families import (SENTENCES, check_cross_encoder, check_every_hidden_state, check_lora_then_merged,
+                           check_sentence_transformer, config_trio, masked_inputs, run, save_checkpoints)
 
 import fastbert
 
@@ -50,12 +50,7 @@ def test_real_widths_match_hf(dtype, unpad, assert_matches_hf):
     bucket saturates; every hidden state and the pooler; bf16 within 2x HF's own error against float64."""
     fast, hf, ref = trio(mpnet_config(), dtype=dtype, unpad=unpad)
     input_ids, mask = inputs(6, 200)
-    fallbacks = fastbert.announce.seen()
-    outs = run((fast, hf, ref), input_ids, attention_mask=mask, output_hidden_states=True)
-    assert fastbert.announce.seen() == fallbacks, "transformers' forward ran"
-    for i, states in enumerate(zip(*(o.hidden_states for o in outs))):
-        assert_matches_hf(*states, mask, name=f"hidden_states[{i}]")
-    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+    outs = check_every_hidden_state((fast, hf, ref), input_ids, mask, assert_matches_hf)
     rows = mask[:, 0].bool()
     assert_matches_hf(*(o.pooler_output for o in outs), rows, name="pooler_output")
 

@@ -8,7 +8,8 @@ Random weights (conftest's ``_randomize_``); the comparison rule is conftest's."
 import pytest
 import torch
 import transformers
-from test_families import check_cross_encoder, check_lora_then_merged, check_sentence_transformer, run, save_checkpoints
+from test_families import (check_cross_encoder, check_every_hidden_state, check_lora_then_merged,
+                           check_sentence_transformer, run, save_checkpoints)
 from test_families import config_trio as trio
 from test_families import masked_inputs as inputs
 
@@ -57,12 +58,7 @@ def test_real_widths_match_hf(family, dtype, unpad, assert_matches_hf):
     error against float64."""
     fast, hf, ref = trio(family_config(family), dtype=dtype, unpad=unpad)
     input_ids, mask = inputs(7, 150 if family == "modernbert" else 37)  # (ModernBERT: longer than its window)
-    fallbacks = fastbert.announce.seen()
-    outs = run((fast, hf, ref), input_ids, attention_mask=mask, output_hidden_states=True)
-    assert fastbert.announce.seen() == fallbacks, "transformers' forward ran"
-    for i, states in enumerate(zip(*(o.hidden_states for o in outs))):
-        assert_matches_hf(*states, mask, name=f"hidden_states[{i}]")
-    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+    check_every_hidden_state((fast, hf, ref), input_ids, mask, assert_matches_hf)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
