@@ -159,7 +159,8 @@ setup(
     ext_modules=[
         Pybind11Extension(
             "fastbert._C",
-            ["csrc/bindings.cpp", "csrc/embedding_layer_norm_cpu.cpp", "csrc/fingerprint.cpp"],
+            ["csrc/bindings.cpp", "csrc/attention_cpu.cpp", "csrc/embedding_layer_norm_cpu.cpp",
+             "csrc/fingerprint.cpp"],
             include_dirs=["csrc"],
             cxx_std=17,
             extra_compile_args=["-O3"],

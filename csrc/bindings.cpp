@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_cpu.h"
 #include "embedding_layer_norm.h"
 #include "fingerprint.h"
 
@@ -86,6 +87,25 @@ void embedding_layer_norm_cuda(std::uintptr_t out, std::uintptr_t input_ids, std
 #endif
 }
 
+void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int64_t>& seqlens, int64_t heads,
+                   int64_t head_dim, std::uintptr_t relative_bias, int64_t radius, int64_t window,
+                   std::uintptr_t columns, double scale, int num_threads) {
+  if (heads < 1 || head_dim < 1) throw std::invalid_argument("heads and head_dim must be >= 1");
+  if (radius < 0) throw std::invalid_argument("radius must be >= 0");
+  int64_t tokens = 0;
+  for (int64_t length : seqlens) {
+    if (length < 0) throw std::invalid_argument("seqlens must be >= 0");
+    tokens += length;
+  }
+  if (tokens == 0) return;
+  if (!out || !qkv) throw std::invalid_argument("null data pointer");
+  const fastbert::AttentionCpuArgs args{reinterpret_cast<float*>(out), reinterpret_cast<const float*>(qkv),
+                                        seqlens.data(), static_cast<int64_t>(seqlens.size()), heads, head_dim,
+                                        reinterpret_cast<const float*>(relative_bias), radius, window,
+                                        reinterpret_cast<const int32_t*>(columns), static_cast<float>(scale)};
+  fastbert::attention_cpu(args, num_threads);
+}
+
 // "" when the CUDA kernel can run on the current device, else why not.
 std::string cuda_probe() {
 #if defined(FASTBERT_WITH_CUDA)
@@ -156,6 +176,19 @@ PYBIND11_MODULE(_C, m) {
         py::arg("position"), py::arg("token_type"), py::arg("weight"), py::arg("bias"), py::arg("n_tokens"),
         py::arg("hidden"), py::arg("vocab"), py::arg("max_positions"), py::arg("type_vocab"), py::arg("eps"),
         py::arg("dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("attention_cpu", &attention_cpu,
+        "Padding-free float32 attention on the CPU (attention_cpu.h): out [T, H, D] from qkv [T, 3, H, D], each "
+        "of the len(seqlens) sequences attending to its own rows, plus relative_bias [H, 2 radius + 1] by distance "
+        "when not 0, keys within `window` only when >= 0, distances between int32 `columns` [T] when not 0. Raises "
+        "RuntimeError on a CPU without AVX2 and FMA (attention_cpu_isa() is then '').",
+        py::arg("out"), py::arg("qkv"), py::arg("seqlens"), py::arg("heads"), py::arg("head_dim"),
+        py::arg("relative_bias"), py::arg("radius"), py::arg("window"), py::arg("columns"), py::arg("scale"),
+        py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>());
+
+  m.def("attention_cpu_isa", &fastbert::attention_cpu_isa,
+        "The instruction set the CPU attention runs with here: 'avx512', 'avx2', or '' (none: no kernel).");
 
   m.def("fingerprint", &fingerprint,
         "A 64-bit hash of ~16 words sampled from each contiguous CPU buffer (pointers[i], nbytes[i] bytes; buffers "

@@ -159,3 +159,72 @@ def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position
     """
     return launch_or_op(_embedding_layer_norm_launch, _embedding_layer_norm_op,
                         input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
+
+
+def attention_cpu_unavailable_reasons() -> list[str]:
+    """Why ``attention_cpu`` cannot run here ([] when it can)."""
+    if _C is None:
+        return [_IMPORT_ERROR]
+    if not hasattr(_C, "attention_cpu"):
+        return ["fastbert._C predates the CPU attention kernel; reinstall fastbert"]
+    if not _C.attention_cpu_isa():
+        return ["fastbert's CPU attention kernel needs an x86-64 CPU with AVX2 and FMA"]
+    return []
+
+
+def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns):
+    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be a float32 CPU tensor [tokens, 3, heads, head_dim], got {tuple(qkv.shape)} "
+                         f"{qkv.dtype} on {qkv.device}")
+    if any(length < 0 for length in seqlens) or sum(seqlens) != qkv.shape[0]:
+        raise ValueError(f"seqlens must be >= 0 and add up to qkv's {qkv.shape[0]} tokens, got {list(seqlens)}")
+    if relative_bias is not None and (relative_bias.dtype != torch.float32 or relative_bias.device.type != "cpu"
+                                      or relative_bias.dim() != 2 or relative_bias.shape[0] != qkv.shape[2]
+                                      or relative_bias.shape[1] % 2 == 0):
+        raise ValueError(f"relative_bias must be a float32 CPU tensor [heads, 2 * radius + 1] = [{qkv.shape[2]}, odd], "
+                         f"got {tuple(relative_bias.shape)} {relative_bias.dtype} on {relative_bias.device}")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be None or >= 0, got {window}")
+    if columns is not None and (columns.dtype != torch.int32 or columns.shape != (qkv.shape[0],)
+                                or columns.device.type != "cpu"):
+        raise ValueError(f"columns must be an int32 CPU tensor [{qkv.shape[0]}], got {tuple(columns.shape)} "
+                         f"{columns.dtype} on {columns.device}")
+
+
+def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns) -> torch.Tensor:
+    tensors = [None if t is None else t.detach().contiguous() for t in (qkv, relative_bias, columns)]
+    qkv, relative_bias, columns = tensors
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns)
+    reasons = attention_cpu_unavailable_reasons()
+    if reasons:
+        raise RuntimeError(reasons[0])
+    heads, head_dim = qkv.shape[2], qkv.shape[3]
+    out = qkv.new_empty(qkv.shape[0], heads, head_dim)
+    _C.attention_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), heads, head_dim,
+                     0 if relative_bias is None else relative_bias.data_ptr(),
+                     0 if relative_bias is None else (relative_bias.shape[1] - 1) // 2,
+                     -1 if window is None else window, 0 if columns is None else columns.data_ptr(),
+                     head_dim ** -0.5, torch.get_num_threads())
+    return out
+
+
+@torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
+def _attention_cpu_op(qkv: torch.Tensor, seqlens: list[int], relative_bias: torch.Tensor | None,
+                      window: int | None, columns: torch.Tensor | None) -> torch.Tensor:
+    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns)
+
+
+@_attention_cpu_op.register_fake
+def _(qkv, seqlens, relative_bias, window, columns):
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns)
+    return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
+
+
+def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None, window: int | None = None,
+                  columns: torch.Tensor | None = None) -> torch.Tensor:
+    """Padding-free float32 attention on the CPU, forward only (csrc/attention_cpu.h; reference:
+    ``kernels/attention.py``'s ``attention_varlen_ref``): qkv [T, 3, H, D] -> [T, H, D], sequence b the next
+    ``seqlens[b]`` rows. relative_bias: None or float32 [H, 2R + 1] by distance j - i clamped to [-R, R]; window:
+    None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
+    columns (a mask with holes). Raises ValueError before the kernel runs when the arguments do not fit."""
+    return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns)

@@ -1,7 +1,7 @@
 """The one place that decides which implementation runs each op.
 
 Backends, fastest first:
-- ``cuda-ext`` / ``cpu-ext``: the ``fastbert._C`` extension (only the embedding op);
+- ``cuda-ext`` / ``cpu-ext``: the ``fastbert._C`` extension (the embedding op; on CPU also float32 attention);
 - ``triton``: the kernels in ``fastbert.kernels`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
 - ``onednn``: the CPU GEMMs (op ``gemm``) through oneDNN with prepacked weights and fused epilogues
   (``kernels/cpu_linear.py``), where it is measured faster than torch's ``F.linear`` on this CPU;
@@ -129,6 +129,9 @@ def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, l
         return options
     if op == "embedding":
         options[ext] = _ext_reasons(device, dtype)
+    if op == "attention" and device.type == "cpu" and dtype == torch.float32:
+        # (bfloat16 takes torch's flash SDPA, which keeps its scores in float32 too)
+        options[ext] = _extension.attention_cpu_unavailable_reasons()
     if device.type == "cpu" and op != "embedding" and not triton_interpreter():
         # On CPU, torch's own ops (oneDNN GEMMs, SDPA, fused LayerNorm) are the fast path for everything but the
         # embedding gather; Triton runs on CPU only through its interpreter, for testing.

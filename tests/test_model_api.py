@@ -419,7 +419,7 @@ def test_packed_attention_via_padded_sdpa_matches_the_loop():
     weights = torch.randn(layout.indices.numel(), 2, 8, dtype=torch.float64)
     results = []
     for run in (lambda: attention._attention_packed_via_padded_sdpa(heads, layout, 0.0),
-                lambda: attention._attention_varlen_sdpa(heads, layout.seqlens, 0.0)):
+                lambda: attention._attention_varlen_sdpa(heads, layout, 0.0)):
         heads.grad = None
         out = run()
         (out * weights).sum().backward()

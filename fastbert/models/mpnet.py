@@ -33,7 +33,7 @@ class FusedSelfAttention(layers.Fused):
         """[N, hidden] -> attention context [N, hidden], before ``o``."""
         qkv = ops.qkv_projection(self.q, self.k, self.v, x)  # [N, 3 * hidden]
         p = self.dropout.p if self.training else 0.0
-        return ops.attention(qkv, layout, self.num_attention_heads, p, relative_bias=layout.relative_bias)
+        return ops.attention(qkv, layout, self.num_attention_heads, p)  # (the bias: layout.relative_bias)
 
 
 class FusedAttention(layers.Fused):

@@ -1,0 +1,281 @@
+// The attention kernel of attention_cpu.h for one instruction set; attention_cpu.cpp includes this file once per
+// set, with (all required):
+//   KERNEL_NAMESPACE   the namespace to define it in
+//   KERNEL_TARGET      __attribute__((target(...))) of every function here
+//   LANES              floats per vector register (16: AVX-512, 8: AVX2)
+//   QK_VECS, PV_VECS   vectors per row in the q k^T and p v register tiles (with ROWS rows, the accumulators must
+//                      fit the 32 (AVX-512) or 16 (AVX2) vector registers beside the operands)
+//
+// One task = one sequence's head h and a block of its queries; per task (L keys, D = head_dim):
+//   kt [D, Lp]  = k^T, zero past L      vp [L, Dp] = v, zero past D      (Lp, Dp: L, D rounded up to LANES)
+//   line[t]     = bias[h, clamp(t - (L - 1), -R, R) + R]: row i's bias for key j is line[j - i + L - 1]
+//                 (a sequence with holes reads the table by its columns instead, key by key)
+//   per ROWS queries: s = q kt (registers -> [ROWS, Lp] in L1), p = exp(scale s + bias - max) row by row,
+//                     out = (p vp) / sum(p), first D lanes stored.
+// The whole row of scores fits in L1 (L <= MAX_KEYS), so the softmax is exact in one pass (no running rescale).
+// Vectors are GCC/Clang vector extensions; no -ffast-math: the sums' order is fixed.
+
+namespace KERNEL_NAMESPACE {
+
+typedef float vec __attribute__((vector_size(LANES * 4)));
+typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
+
+constexpr int ROWS = 4;  // queries per register tile
+
+KERNEL_TARGET static inline vec splat(float x) { return vec{} + x; }
+KERNEL_TARGET static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+KERNEL_TARGET static inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+KERNEL_TARGET static inline float reduce_max(vec v) {
+  float m = v[0];
+  for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+KERNEL_TARGET static inline float reduce_sum(vec v) {
+  float s = 0.f;
+  for (int i = 0; i < LANES; i++) s += v[i];
+  return s;
+}
+
+// e^x for x <= 0 (scores minus their row's max), 0 below -87 (where e^x leaves float32's normal range) and for
+// -inf: e^x = 2^n 2^f with n = round(x log2 e), f in [-1/2, 1/2], 2^f by a degree-6 polynomial (relative error
+// about 2e-7, below float32's rounding of the scores themselves).
+KERNEL_TARGET static inline vec exp_nonpositive(vec x) {
+  const vec t = x * splat(1.44269504088896341f);
+  const vec n = (t + splat(12582912.f)) - splat(12582912.f);  // round to nearest (|t| < 2^22)
+  const vec f = t - n;
+  vec p = splat(1.535336188319500e-4f);
+  p = p * f + splat(1.339887440266574e-3f);
+  p = p * f + splat(9.618437357674640e-3f);
+  p = p * f + splat(5.550332471162809e-2f);
+  p = p * f + splat(2.402264791363012e-1f);
+  p = p * f + splat(6.931472028550421e-1f);
+  p = p * f + splat(1.f);
+  const vec low = splat(-87.f);
+  const ivec bits = (__builtin_convertvector(x > low ? n : low, ivec) + 127) << 23;  // 2^n
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x > low ? p * scale : splat(0.f);
+}
+
+struct Scratch {
+  std::vector<float> kt, vp, line, scores;
+};
+
+// s[r, j] = q_r . kt[:, j] for the ROWS query rows `q` (each D floats) and the Lp keys of kt: QK_VECS * LANES keys
+// per register tile, then LANES at a time.
+template <int VECS>
+KERNEL_TARGET static inline void score_tile(const float* const* q, const float* kt, int64_t D, int64_t Lp, int64_t j0,
+                                            float* s) {
+  vec acc[ROWS][VECS];
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < VECS; c++) acc[r][c] = splat(0.f);
+  for (int64_t d = 0; d < D; d++) {
+    vec key[VECS];
+    for (int c = 0; c < VECS; c++) key[c] = load(kt + d * Lp + j0 + c * LANES);
+    for (int r = 0; r < ROWS; r++) {
+      const vec query = splat(q[r][d]);
+      for (int c = 0; c < VECS; c++) acc[r][c] += query * key[c];
+    }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < VECS; c++) store(s + r * Lp + j0 + c * LANES, acc[r][c]);
+}
+
+// out[r, c0 : c0 + VECS * LANES] = sum_j p[r, j] vp[j, c0 : ...] for the ROWS rows of p (row stride Lp), L keys.
+template <int VECS>
+KERNEL_TARGET static inline void value_tile(const float* p, const float* vp, int64_t L, int64_t Lp, int64_t Dp,
+                                            int64_t c0, vec (*out)[PV_VECS]) {
+  vec acc[ROWS][VECS];
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < VECS; c++) acc[r][c] = splat(0.f);
+  for (int64_t j = 0; j < L; j++) {
+    vec value[VECS];
+    for (int c = 0; c < VECS; c++) value[c] = load(vp + j * Dp + c0 + c * LANES);
+    for (int r = 0; r < ROWS; r++) {
+      const vec weight = splat(p[r * Lp + j]);
+      for (int c = 0; c < VECS; c++) acc[r][c] += weight * value[c];
+    }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < VECS; c++) out[r][c] = acc[r][c];
+}
+
+// Which keys query i sees and what it adds to their scores: its slice of the line (entry j: key j's bias) or
+// nothing, and the window; or, for a sequence with holes, the tokens' columns and the table itself.
+struct RowTerms {
+  const float* line;     // row i's slice of the line, or null
+  const int32_t* columns;  // [L] the sequence's columns, or null (consecutive)
+  const float* table;    // [2R + 1] this head's bias by distance, or null (read with columns only)
+  int64_t radius, window;  // window < 0: none
+  int64_t i;
+};
+
+// scores row [Lp] -> exp(scale s + bias - max) (zero for keys past L or outside the window); returns 1 / sum.
+KERNEL_TARGET static inline float softmax_row(float* row, const RowTerms& t, int64_t L, int64_t Lp, float scale) {
+  const vec minus_inf = splat(-INFINITY);
+  vec top = minus_inf;
+  if (t.columns) {  // holes: distances between columns, one key at a time
+    const int32_t ci = t.columns[t.i];
+    for (int64_t j = 0; j < Lp; j++) {
+      const int64_t distance = j < L ? t.columns[j] - ci : 0;
+      float x = row[j] * scale;
+      if (t.table) x += t.table[std::min(std::max(distance, -t.radius), t.radius) + t.radius];
+      row[j] = j >= L || (t.window >= 0 && std::abs(distance) > t.window) ? -INFINITY : x;
+    }
+    for (int64_t j = 0; j < Lp; j += LANES) top = load(row + j) > top ? load(row + j) : top;
+  } else {
+    ivec lane;
+    for (int i = 0; i < LANES; i++) lane[i] = i;
+    const int32_t window = static_cast<int32_t>(t.window < 0 ? L : t.window);
+    for (int64_t j = 0; j < Lp; j += LANES) {
+      vec x = load(row + j) * splat(scale);
+      if (t.line) x += load(t.line + j);
+      const ivec key = lane + static_cast<int32_t>(j), distance = key - static_cast<int32_t>(t.i);
+      x = key < static_cast<int32_t>(L) && distance <= window && -distance <= window ? x : minus_inf;
+      store(row + j, x);
+      top = x > top ? x : top;
+    }
+  }
+  const vec m = splat(reduce_max(top));
+  vec sum = splat(0.f);
+  for (int64_t j = 0; j < Lp; j += LANES) {
+    const vec e = exp_nonpositive(load(row + j) - m);
+    store(row + j, e);
+    sum += e;
+  }
+  return 1.f / reduce_sum(sum);
+}
+
+// One task: head h of the sequence at rows [row0, row0 + L), queries [i_begin, i_end) of it.
+KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int64_t row0, int64_t L, int64_t h,
+                                       int64_t i_begin, int64_t i_end, Scratch& scratch) {
+  const int64_t H = a.heads, D = a.head_dim, qkv_stride = 3 * H * D, out_stride = H * D;
+  const int64_t Lp = (L + LANES - 1) / LANES * LANES, Dp = (D + LANES - 1) / LANES * LANES;
+  const float* q = a.qkv + row0 * qkv_stride + h * D;
+  const float* k = q + H * D;
+  const float* v = q + 2 * H * D;
+
+  scratch.kt.assign(D * Lp, 0.f);
+  scratch.vp.assign(L * Dp, 0.f);
+  scratch.scores.resize(ROWS * Lp);
+  float* kt = scratch.kt.data();
+  float* vp = scratch.vp.data();
+  for (int64_t j = 0; j < L; j++) {
+    for (int64_t d = 0; d < D; d++) kt[d * Lp + j] = k[j * qkv_stride + d];
+    std::memcpy(vp + j * Dp, v + j * qkv_stride, D * sizeof(float));
+  }
+  const float* line = nullptr;
+  const int32_t* columns = a.columns ? a.columns + row0 : nullptr;
+  if (a.relative_bias && !columns) {
+    // 2L - 1 distances, plus Lp - L + 1 entries read (and masked) for the keys past L
+    scratch.line.assign(2 * L + Lp, 0.f);
+    const float* table = a.relative_bias + h * (2 * a.radius + 1);
+    for (int64_t t = 0; t < 2 * L - 1; t++) {
+      const int64_t distance = std::min(std::max(t - (L - 1), -a.radius), a.radius);
+      scratch.line[t] = table[distance + a.radius];
+    }
+    line = scratch.line.data();
+  }
+
+  float* s = scratch.scores.data();
+  for (int64_t i0 = i_begin; i0 < i_end; i0 += ROWS) {
+    const int rows = static_cast<int>(std::min<int64_t>(ROWS, i_end - i0));
+    const float* query[ROWS];
+    for (int r = 0; r < ROWS; r++) query[r] = q + (i0 + std::min(r, rows - 1)) * qkv_stride;  // spare rows: a copy
+
+    int64_t j0 = 0;
+    for (; j0 + QK_VECS * LANES <= Lp; j0 += QK_VECS * LANES) score_tile<QK_VECS>(query, kt, D, Lp, j0, s);
+    for (; j0 < Lp; j0 += LANES) score_tile<1>(query, kt, D, Lp, j0, s);
+
+    float inverse_sum[ROWS];
+    for (int r = 0; r < rows; r++) {
+      const RowTerms terms{line ? line + (L - 1 - (i0 + r)) : nullptr, columns,
+                           a.relative_bias ? a.relative_bias + h * (2 * a.radius + 1) : nullptr, a.radius, a.window,
+                           i0 + r};
+      inverse_sum[r] = softmax_row(s + r * Lp, terms, L, Lp, a.scale);
+    }
+
+    for (int64_t c0 = 0; c0 < Dp; c0 += PV_VECS * LANES) {
+      vec acc[ROWS][PV_VECS];
+      const int64_t vecs = std::min<int64_t>(PV_VECS, (Dp - c0) / LANES);
+      switch (vecs) {
+        case PV_VECS: value_tile<PV_VECS>(s, vp, L, Lp, Dp, c0, acc); break;
+#if PV_VECS > 3
+        case 3: value_tile<3>(s, vp, L, Lp, Dp, c0, acc); break;
+#endif
+#if PV_VECS > 2
+        case 2: value_tile<2>(s, vp, L, Lp, Dp, c0, acc); break;
+#endif
+        default: value_tile<1>(s, vp, L, Lp, Dp, c0, acc); break;
+      }
+      for (int r = 0; r < rows; r++) {
+        float* o = a.out + (row0 + i0 + r) * out_stride + h * D;
+        for (int64_t c = 0; c < vecs; c++) {
+          const vec result = acc[r][c] * splat(inverse_sum[r]);
+          const int64_t first = c0 + c * LANES, count = std::min<int64_t>(LANES, D - first);
+          if (count == LANES) {
+            store(o + first, result);
+          } else {
+            float lanes[LANES];
+            store(lanes, result);
+            std::memcpy(o + first, lanes, count * sizeof(float));
+          }
+        }
+      }
+    }
+  }
+}
+
+struct Task {
+  int64_t row0, length, head, i_begin, i_end;
+};
+
+KERNEL_TARGET void run(const fastbert::AttentionCpuArgs& a, int num_threads) {
+  // Longest sequences first, so that dynamic scheduling ends with the small tasks.
+  std::vector<int64_t> order(a.batch), starts(a.batch);
+  int64_t row = 0;
+  for (int64_t b = 0; b < a.batch; b++) {
+    order[b] = b;
+    starts[b] = row;
+    row += a.seqlens[b];
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return a.seqlens[x] > a.seqlens[y]; });
+#if defined(_OPENMP)
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#else
+  const int threads = 1;
+#endif
+  // A task packs its head's k and v, then runs its queries: one task per (sequence, head), unless that leaves
+  // fewer than 4 tasks per thread (one long sequence on many cores): then blocks of at least 64 queries.
+  const int64_t heads_of_sequences = a.batch * a.heads;
+  int64_t block = INT64_MAX;
+  if (heads_of_sequences < 4 * threads) {
+    const int64_t splits = (4 * threads + heads_of_sequences - 1) / std::max<int64_t>(heads_of_sequences, 1);
+    block = std::max<int64_t>(64, (a.seqlens[order.empty() ? 0 : order[0]] + splits - 1) / splits);
+  }
+  std::vector<Task> tasks;
+  for (int64_t b : order)
+    for (int64_t h = 0; h < a.heads; h++)
+      for (int64_t i = 0, L = a.seqlens[b]; i < L; i += std::min(block, L - i))
+        tasks.push_back({starts[b], L, h, i, i + std::min(block, L - i)});
+  const int64_t count = static_cast<int64_t>(tasks.size());
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) if (count > 1 && threads > 1)
+#else
+  (void)num_threads;
+#endif
+  {
+    Scratch scratch;
+#if defined(_OPENMP)
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t t = 0; t < count; t++) {
+      const Task& task = tasks[t];
+      attend_block(a, task.row0, task.length, task.head, task.i_begin, task.i_end, scratch);
+    }
+  }
+}
+
+}  // namespace KERNEL_NAMESPACE
