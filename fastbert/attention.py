@@ -48,7 +48,7 @@ def _attention(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, backe
                                                       relative_bias)
         padded = heads.view(layout.batch, layout.seq_len, *heads.shape[1:])
         return attention_kernels.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias)
-    if backend == "cpu-ext" and layout.max_seqlen <= CPU_KERNEL_MAX_TOKENS:
+    if backend == "cpu-ext":
         if layout.packed:
             holes = columns is not None and _has_holes(layout.cu_seqlens, columns)
             return _extension.attention_cpu(heads, layout.seqlens, relative_bias, window, columns if holes else None)
@@ -60,11 +60,6 @@ def _attention(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, backe
             return _attention_packed_via_padded_sdpa(heads, layout, dropout_p, window)
         return _attention_varlen_sdpa(heads, layout, dropout_p, window)
     return _attention_sdpa(heads, layout, dropout_p, window)
-
-
-# The C++ CPU kernel keeps a row of scores per query in L1 and all of a head's keys in L2: past this many tokens in
-# a sequence torch's flash SDPA, which streams blocks of keys, is the faster (measured: see benchmarks/README.md).
-CPU_KERNEL_MAX_TOKENS = 1024
 
 
 def _has_holes(cu_seqlens: torch.Tensor, columns: torch.Tensor) -> bool:
