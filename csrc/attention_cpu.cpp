@@ -1,7 +1,7 @@
 // Launcher of the CPU attention (attention_cpu.h): the kernel (attention_cpu_kernel.h) compiled for AVX-512 and for
 // AVX2 in this one file, each with its target attribute, and the one this CPU supports picked at run time. The
 // extension itself is built for the compiler's baseline, so it loads on any x86-64 CPU and elsewhere (where there
-// is no kernel: attention_cpu_isa() says "").
+// is no kernel: attention_cpu_isas() is empty).
 //
 // Per thread and key: 2 D FLOPs of q k^T plus 2 D of p v against one exp; the register tiles (ROWS queries by
 // QK_VECS or PV_VECS vectors) keep each loaded key or value vector for ROWS FMAs. Seen on an AMD EPYC Zen 4 (AVX-512),
@@ -55,24 +55,31 @@
 
 namespace fastbert {
 
-const char* attention_cpu_isa() {
+std::vector<std::string> attention_cpu_isas() {
+  std::vector<std::string> isas;
 #if defined(FASTBERT_X86_KERNELS)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return "avx512";
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) isas.push_back("avx512");
+  if (avx2) isas.push_back("avx2");
 #endif
-  return "";
+  return isas;
 }
 
-void attention_cpu(const AttentionCpuArgs& args, int num_threads) {
-  const std::string isa = attention_cpu_isa();
+void attention_cpu(const AttentionCpuArgs& args, int num_threads, const std::string& isa) {
+  const std::vector<std::string> isas = attention_cpu_isas();
+  if (isas.empty()) throw std::runtime_error("fastbert's CPU attention needs an x86-64 CPU with AVX2 and FMA");
+  const std::string chosen = isa.empty() ? isas.front() : isa;
+  if (std::find(isas.begin(), isas.end(), chosen) == isas.end()) {
+    throw std::invalid_argument("isa " + chosen + " is not one this CPU runs");
+  }
 #if defined(FASTBERT_X86_KERNELS)
-  if (isa == "avx512") return avx512::run(args, num_threads);
-  if (isa == "avx2") return avx2::run(args, num_threads);
-#endif
+  if (chosen == "avx512") return avx512::run(args, num_threads);
+  return avx2::run(args, num_threads);
+#else
   (void)args;
   (void)num_threads;
-  throw std::runtime_error("fastbert's CPU attention needs an x86-64 CPU with AVX2 and FMA");
+#endif
 }
 
 }  // namespace fastbert

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace fastbert {
 
@@ -26,11 +28,12 @@ struct AttentionCpuArgs {
   float scale;                  // 1 / sqrt(D), as the model uses it
 };
 
-// The instruction set the kernel runs with here: "avx512", "avx2", or "" when this CPU or build has neither (the
-// caller then takes torch's attention).
-const char* attention_cpu_isa();
+// The instruction sets the kernel can run with here, fastest first: "avx512", "avx2"; none when this CPU or build
+// has neither (the caller then takes torch's attention).
+std::vector<std::string> attention_cpu_isas();
 
-// OpenMP threads over (sequence, head, block of queries); `num_threads` <= 0: OpenMP's default.
-void attention_cpu(const AttentionCpuArgs& args, int num_threads);
+// OpenMP threads over (sequence, head, block of queries); `num_threads` <= 0: OpenMP's default. `isa`: one of
+// attention_cpu_isas(), "" for the fastest (std::invalid_argument for one this CPU lacks).
+void attention_cpu(const AttentionCpuArgs& args, int num_threads, const std::string& isa);
 
 }  // namespace fastbert

@@ -89,7 +89,7 @@ void embedding_layer_norm_cuda(std::uintptr_t out, std::uintptr_t input_ids, std
 
 void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int64_t>& seqlens, int64_t heads,
                    int64_t head_dim, std::uintptr_t relative_bias, int64_t radius, int64_t window,
-                   std::uintptr_t columns, double scale, int num_threads) {
+                   std::uintptr_t columns, double scale, int num_threads, const std::string& isa) {
   if (heads < 1 || head_dim < 1) throw std::invalid_argument("heads and head_dim must be >= 1");
   if (radius < 0) throw std::invalid_argument("radius must be >= 0");
   int64_t tokens = 0;
@@ -103,7 +103,7 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
                                         seqlens.data(), static_cast<int64_t>(seqlens.size()), heads, head_dim,
                                         reinterpret_cast<const float*>(relative_bias), radius, window,
                                         reinterpret_cast<const int32_t*>(columns), static_cast<float>(scale)};
-  fastbert::attention_cpu(args, num_threads);
+  fastbert::attention_cpu(args, num_threads, isa);
 }
 
 // "" when the CUDA kernel can run on the current device, else why not.
@@ -181,14 +181,13 @@ PYBIND11_MODULE(_C, m) {
         "Padding-free float32 attention on the CPU (attention_cpu.h): out [T, H, D] from qkv [T, 3, H, D], each "
         "of the len(seqlens) sequences attending to its own rows, plus relative_bias [H, 2 radius + 1] by distance "
         "when not 0, keys within `window` only when >= 0, distances between int32 `columns` [T] when not 0. Raises "
-        "RuntimeError on a CPU without AVX2 and FMA (attention_cpu_isa() is then '').",
+        "RuntimeError on a CPU without AVX2 and FMA; isa: one of attention_cpu_isas(), '' for the fastest.",
         py::arg("out"), py::arg("qkv"), py::arg("seqlens"), py::arg("heads"), py::arg("head_dim"),
         py::arg("relative_bias"), py::arg("radius"), py::arg("window"), py::arg("columns"), py::arg("scale"),
-        py::arg("num_threads"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
 
-  m.def("attention_cpu_isa", &fastbert::attention_cpu_isa,
-        "The instruction set the CPU attention runs with here: 'avx512', 'avx2', or '' (none: no kernel).");
+  m.def("attention_cpu_isas", &fastbert::attention_cpu_isas,
+        "The instruction sets the CPU attention can run with here, fastest first ('avx512', 'avx2'); [] for none.");
 
   m.def("fingerprint", &fingerprint,
         "A 64-bit hash of ~16 words sampled from each contiguous CPU buffer (pointers[i], nbytes[i] bytes; buffers "

@@ -167,12 +167,17 @@ def attention_cpu_unavailable_reasons() -> list[str]:
         return [_IMPORT_ERROR]
     if not hasattr(_C, "attention_cpu"):
         return ["fastbert._C predates the CPU attention kernel; reinstall fastbert"]
-    if not _C.attention_cpu_isa():
+    if not _C.attention_cpu_isas():
         return ["fastbert's CPU attention kernel needs an x86-64 CPU with AVX2 and FMA"]
     return []
 
 
-def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns):
+def attention_cpu_isas() -> list[str]:
+    """The instruction sets the CPU attention can run with here, fastest first ("avx512", "avx2")."""
+    return [] if attention_cpu_unavailable_reasons() else list(_C.attention_cpu_isas())
+
+
+def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa=""):
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be a float32 CPU tensor [tokens, 3, heads, head_dim], got {tuple(qkv.shape)} "
                          f"{qkv.dtype} on {qkv.device}")
@@ -183,6 +188,8 @@ def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns):
                                       or relative_bias.shape[1] % 2 == 0):
         raise ValueError(f"relative_bias must be a float32 CPU tensor [heads, 2 * radius + 1] = [{qkv.shape[2]}, odd], "
                          f"got {tuple(relative_bias.shape)} {relative_bias.dtype} on {relative_bias.device}")
+    if isa and isa not in attention_cpu_isas():
+        raise ValueError(f"isa must be one of {attention_cpu_isas()} on this CPU, or '' for the fastest, got {isa!r}")
     if window is not None and window < 0:
         raise ValueError(f"window must be None or >= 0, got {window}")
     if columns is not None and (columns.dtype != torch.int32 or columns.shape != (qkv.shape[0],)
@@ -191,10 +198,10 @@ def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns):
                          f"{columns.dtype} on {columns.device}")
 
 
-def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns) -> torch.Tensor:
+def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="") -> torch.Tensor:
     tensors = [None if t is None else t.detach().contiguous() for t in (qkv, relative_bias, columns)]
     qkv, relative_bias, columns = tensors
-    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns)
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)
     reasons = attention_cpu_unavailable_reasons()
     if reasons:
         raise RuntimeError(reasons[0])
@@ -204,27 +211,29 @@ def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns) -> torch
                      0 if relative_bias is None else relative_bias.data_ptr(),
                      0 if relative_bias is None else (relative_bias.shape[1] - 1) // 2,
                      -1 if window is None else window, 0 if columns is None else columns.data_ptr(),
-                     head_dim ** -0.5, torch.get_num_threads())
+                     head_dim ** -0.5, torch.get_num_threads(), isa)
     return out
 
 
 @torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
 def _attention_cpu_op(qkv: torch.Tensor, seqlens: list[int], relative_bias: torch.Tensor | None,
-                      window: int | None, columns: torch.Tensor | None) -> torch.Tensor:
-    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns)
+                      window: int | None, columns: torch.Tensor | None, isa: str) -> torch.Tensor:
+    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa)
 
 
 @_attention_cpu_op.register_fake
-def _(qkv, seqlens, relative_bias, window, columns):
-    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns)
+def _(qkv, seqlens, relative_bias, window, columns, isa):
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)
     return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
 
 
 def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None, window: int | None = None,
-                  columns: torch.Tensor | None = None) -> torch.Tensor:
+                  columns: torch.Tensor | None = None, isa: str = "") -> torch.Tensor:
     """Padding-free float32 attention on the CPU, forward only (csrc/attention_cpu.h; reference:
     ``kernels/attention.py``'s ``attention_varlen_ref``): qkv [T, 3, H, D] -> [T, H, D], sequence b the next
     ``seqlens[b]`` rows. relative_bias: None or float32 [H, 2R + 1] by distance j - i clamped to [-R, R]; window:
     None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
-    columns (a mask with holes). Raises ValueError before the kernel runs when the arguments do not fit."""
-    return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns)
+    columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each). Raises
+    ValueError before the kernel runs when the arguments do not fit."""
+    return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
+                        isa)

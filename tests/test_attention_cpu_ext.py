@@ -14,6 +14,8 @@ from fastbert.kernels.attention import attention_varlen_ref
 pytestmark = pytest.mark.skipif(bool(_extension.attention_cpu_unavailable_reasons()),
                                 reason="; ".join(_extension.attention_cpu_unavailable_reasons()))
 FP32_TOL = 1e-5
+# Every instruction set this CPU runs (an AVX-512 machine checks the AVX2 build too).
+ISAS = _extension.attention_cpu_isas()
 
 
 def qkv_of(tokens, heads, head_dim, seed=0):
@@ -33,36 +35,39 @@ def reference(qkv, lengths, relative_bias=None, window=None, columns=None):
                                 relative_bias=bias).float()
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("head_dim", [8, 26, 80, 128])
 @pytest.mark.parametrize("lengths", [[17, 0, 1, 5], [256, 255], [300]], ids=["mixed", "tile-edges", "long"])
 @pytest.mark.parametrize("radius", [None, 3, 128])
-def test_matches_reference(head_dim, lengths, radius):
+def test_matches_reference(isa, head_dim, lengths, radius):
     heads = 3
     qkv = qkv_of(sum(lengths), heads, head_dim)
     table = None if radius is None else table_of(heads, radius)
-    out = _extension.attention_cpu(qkv, lengths, table)
+    out = _extension.attention_cpu(qkv, lengths, table, isa=isa)
     assert out.shape == (sum(lengths), heads, head_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out, reference(qkv, lengths, table), rtol=0, atol=FP32_TOL)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("window", [0, 1, 5, 64])
 @pytest.mark.parametrize("radius", [None, 8])
-def test_window(window, radius):
+def test_window(isa, window, radius):
     lengths = [1, 40, 130]
     qkv = qkv_of(sum(lengths), 2, 26)
     table = None if radius is None else table_of(2, radius)
-    out = _extension.attention_cpu(qkv, lengths, table, window)
+    out = _extension.attention_cpu(qkv, lengths, table, window, isa=isa)
     torch.testing.assert_close(out, reference(qkv, lengths, table, window), rtol=0, atol=FP32_TOL)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("window", [None, 2])
-def test_holes_measure_distances_between_columns(window):
+def test_holes_measure_distances_between_columns(isa, window):
     """A mask with holes: distances between the tokens' columns in the padded batch, not between their offsets."""
     mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 0, 0, 1], [0, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
     lengths = mask.sum(dim=1).tolist()
     columns = torch.arange(10).expand(2, 10)[mask].to(torch.int32)
     qkv, table = qkv_of(sum(lengths), 3, 16), table_of(3, 2)
-    out = _extension.attention_cpu(qkv, lengths, table, window, columns)
+    out = _extension.attention_cpu(qkv, lengths, table, window, columns, isa=isa)
     expected = reference(qkv, lengths, table, window, columns)
     torch.testing.assert_close(out, expected, rtol=0, atol=FP32_TOL)
     assert not torch.allclose(out, _extension.attention_cpu(qkv, lengths, table, window), atol=1e-3)
@@ -96,6 +101,8 @@ def test_bad_arguments_raise_before_the_kernel():
         _extension.attention_cpu(qkv, [5], None, -1)
     with pytest.raises(ValueError, match="columns"):
         _extension.attention_cpu(qkv, [5], None, None, torch.arange(5))
+    with pytest.raises(ValueError, match="isa"):
+        _extension.attention_cpu(qkv, [5], isa="sse2")
 
 
 def test_model_attention_takes_the_kernel_for_float32_inference():
