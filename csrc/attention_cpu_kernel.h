@@ -12,7 +12,8 @@
 //                 (a sequence with holes reads the table by its columns instead, key by key)
 //   per ROWS queries: s = q kt (registers -> [ROWS, Lp] in L1), p = exp(scale s + bias - max) row by row,
 //                     out = (p vp) / sum(p), first D lanes stored.
-// The whole row of scores fits in L1 (L <= MAX_KEYS), so the softmax is exact in one pass (no running rescale).
+// Each query's whole row of scores is kept (ROWS rows of Lp floats: L1 up to about a thousand keys, L2 beyond), so
+// the softmax is exact in one pass, with no running rescale.
 // Vectors are GCC/Clang vector extensions; no -ffast-math: the sums' order is fixed.
 
 namespace KERNEL_NAMESPACE {
@@ -39,7 +40,7 @@ KERNEL_TARGET static inline float reduce_sum(vec v) {
 }
 
 // e^x for x <= 0 (scores minus their row's max), 0 below -87 (where e^x leaves float32's normal range) and for
-// -inf: e^x = 2^n 2^f with n = round(x log2 e), f in [-1/2, 1/2], 2^f by a degree-6 polynomial (relative error
+// -inf, NaN for NaN (a NaN score poisons its row, as in torch): e^x = 2^n 2^f with n = round(x log2 e), f in [-1/2, 1/2], 2^f by a degree-6 polynomial (relative error
 // about 2e-7, below float32's rounding of the scores themselves).
 KERNEL_TARGET static inline vec exp_nonpositive(vec x) {
   const vec t = x * splat(1.44269504088896341f);
@@ -56,7 +57,7 @@ KERNEL_TARGET static inline vec exp_nonpositive(vec x) {
   const ivec bits = (__builtin_convertvector(x > low ? n : low, ivec) + 127) << 23;  // 2^n
   vec scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return x > low ? p * scale : splat(0.f);
+  return x > low ? p * scale : (x != x ? x : splat(0.f));
 }
 
 struct Scratch {
@@ -117,7 +118,7 @@ KERNEL_TARGET static inline float softmax_row(float* row, const RowTerms& t, int
   const vec minus_inf = splat(-INFINITY);
   vec top = minus_inf;
   if (t.columns) {  // holes: distances between columns, one key at a time
-    const int32_t ci = t.columns[t.i];
+    const int64_t ci = t.columns[t.i];
     for (int64_t j = 0; j < Lp; j++) {
       const int64_t distance = j < L ? t.columns[j] - ci : 0;
       float x = row[j] * scale;
@@ -128,7 +129,7 @@ KERNEL_TARGET static inline float softmax_row(float* row, const RowTerms& t, int
   } else {
     ivec lane;
     for (int i = 0; i < LANES; i++) lane[i] = i;
-    const int32_t window = static_cast<int32_t>(t.window < 0 ? L : t.window);
+    const int32_t window = static_cast<int32_t>(t.window < 0 ? L : std::min(t.window, L));  // (L < 2^31)
     for (int64_t j = 0; j < Lp; j += LANES) {
       vec x = load(row + j) * splat(scale);
       if (t.line) x += load(t.line + j);
@@ -233,6 +234,7 @@ struct Task {
 };
 
 KERNEL_TARGET void run(const fastbert::AttentionCpuArgs& a, int num_threads) {
+  if (a.batch == 0) return;
   // Longest sequences first, so that dynamic scheduling ends with the small tasks.
   std::vector<int64_t> order(a.batch), starts(a.batch);
   int64_t row = 0;
@@ -261,6 +263,7 @@ KERNEL_TARGET void run(const fastbert::AttentionCpuArgs& a, int num_threads) {
       for (int64_t i = 0, L = a.seqlens[b]; i < L; i += std::min(block, L - i))
         tasks.push_back({starts[b], L, h, i, i + std::min(block, L - i)});
   const int64_t count = static_cast<int64_t>(tasks.size());
+  bool out_of_memory = false;  // (an exception must not leave an OpenMP region: it would end the process)
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(threads) if (count > 1 && threads > 1)
 #else
@@ -273,9 +276,17 @@ KERNEL_TARGET void run(const fastbert::AttentionCpuArgs& a, int num_threads) {
 #endif
     for (int64_t t = 0; t < count; t++) {
       const Task& task = tasks[t];
-      attend_block(a, task.row0, task.length, task.head, task.i_begin, task.i_end, scratch);
+      try {
+        attend_block(a, task.row0, task.length, task.head, task.i_begin, task.i_end, scratch);
+      } catch (const std::bad_alloc&) {
+#if defined(_OPENMP)
+#pragma omp atomic write
+#endif
+        out_of_memory = true;
+      }
     }
   }
+  if (out_of_memory) throw std::bad_alloc();
 }
 
 }  // namespace KERNEL_NAMESPACE

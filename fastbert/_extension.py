@@ -169,6 +169,8 @@ def attention_cpu_unavailable_reasons() -> list[str]:
         return ["fastbert._C predates the CPU attention kernel; reinstall fastbert"]
     if not _C.attention_cpu_isas():
         return ["fastbert's CPU attention kernel needs an x86-64 CPU with AVX2 and FMA"]
+    if not _BUILD_INFO["openmp"]:
+        return ["fastbert._C was built without OpenMP, so its CPU attention would run on one thread"]
     return []
 
 

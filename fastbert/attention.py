@@ -27,8 +27,9 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
     tokens, hidden = layout.tokens, qkv.shape[1] // 3
     head_dim = hidden // num_heads
     # (the same decision for every layer with the same arguments)
-    backend, warning = decided(None, ("attention", qkv.requires_grad, dropout_p, head_dim), _attention_backend,
-                               qkv, dropout_p, head_dim)
+    bias = layout.relative_bias  # (a trainable bias needs the differentiable path too)
+    backend, warning = decided(None, ("attention", qkv.requires_grad, bias is not None and bias.requires_grad,
+                                      dropout_p, head_dim), _attention_backend, qkv, bias, dropout_p, head_dim)
     if warning is not None:
         announce.fallback(warning)
     real = qkv[:tokens] if layout.spare_rows else qkv
@@ -50,7 +51,8 @@ def _attention(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, backe
         return attention_kernels.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias)
     if backend == "cpu-ext":
         if layout.packed:
-            holes = columns is not None and _has_holes(layout.cu_seqlens, columns)
+            # (a compiled graph passes the columns rather than branch on them: the kernel reads them either way)
+            holes = columns is not None and (torch.compiler.is_compiling() or _has_holes(layout.cu_seqlens, columns))
             return _extension.attention_cpu(heads, layout.seqlens, relative_bias, window, columns if holes else None)
         if _every_key_real(layout):  # dense with every token real: batch sequences of seq_len rows each
             return _extension.attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window)
@@ -99,8 +101,9 @@ def _relative(relative_bias: torch.Tensor, columns: torch.Tensor | None, length:
     return relative_bias[:, distance.clamp(-radius, radius) + radius].to(dtype)
 
 
-def _attention_backend(qkv: torch.Tensor, dropout_p: float, head_dim: int) -> tuple[str, str | None]:
-    why = dispatch.why_reference(qkv, dropout_p=dropout_p)
+def _attention_backend(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: float,
+                       head_dim: int) -> tuple[str, str | None]:
+    why = dispatch.why_reference(qkv, relative_bias, dropout_p=dropout_p)
     backend, warning = dispatch.resolve("attention", qkv, why)
     if backend == "triton" and head_dim > attention_kernels.MAX_HEAD_DIM:
         # The Triton kernel refuses D > MAX_HEAD_DIM (ValueError): such a model must take SDPA on a GPU, not crash.

@@ -5,6 +5,8 @@ between and past the vector width and the value tiles; sequences of 0, 1, 17, 25
 every tile size), with and without the relative bias, a window and holes (distances between columns).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,33 +62,56 @@ def test_window(isa, window, radius):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("window", [None, 2])
-def test_holes_measure_distances_between_columns(isa, window):
+@pytest.mark.parametrize("window, radius", [(None, 2), (2, 2), (3, None), (40, 128)])
+def test_holes_measure_distances_between_columns(isa, window, radius):
     """A mask with holes: distances between the tokens' columns in the padded batch, not between their offsets."""
-    mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 0, 0, 1], [0, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(3, 90, generator=g) < 0.6
+    mask[0, 5:] = False  # a short row, and a row of one token
+    mask[1] = False
+    mask[1, 17] = True
     lengths = mask.sum(dim=1).tolist()
-    columns = torch.arange(10).expand(2, 10)[mask].to(torch.int32)
-    qkv, table = qkv_of(sum(lengths), 3, 16), table_of(3, 2)
+    columns = torch.arange(90).expand(3, 90)[mask].to(torch.int32)
+    qkv, table = qkv_of(sum(lengths), 3, 16), None if radius is None else table_of(3, radius)
     out = _extension.attention_cpu(qkv, lengths, table, window, columns, isa=isa)
-    expected = reference(qkv, lengths, table, window, columns)
-    torch.testing.assert_close(out, expected, rtol=0, atol=FP32_TOL)
-    assert not torch.allclose(out, _extension.attention_cpu(qkv, lengths, table, window), atol=1e-3)
+    torch.testing.assert_close(out, reference(qkv, lengths, table, window, columns), rtol=0, atol=FP32_TOL)
+    assert not torch.allclose(out, _extension.attention_cpu(qkv, lengths, table, window, isa=isa), atol=1e-3)
 
 
-def test_threads_give_the_same_result():
-    """Tasks are split by sequence, head and block of queries: every thread count computes the same sums."""
-    lengths = [300, 7, 64]
-    qkv, table = qkv_of(sum(lengths), 4, 32), table_of(4, 128)
+def test_threads_and_query_blocks_give_the_same_result():
+    """One sequence of one head is split into blocks of queries by the thread count (one task per (sequence, head)
+    would leave threads idle): every split computes the same sums."""
+    qkv, table = qkv_of(300, 1, 32), table_of(1, 128)
     threads = torch.get_num_threads()
     try:
         results = []
-        for count in (1, 2, 3):
+        for count in (1, 2, 3, 5):
             torch.set_num_threads(count)
-            results.append(_extension.attention_cpu(qkv, lengths, table))
+            results.append(_extension.attention_cpu(qkv, [300], table))
     finally:
         torch.set_num_threads(threads)
     for out in results[1:]:
         torch.testing.assert_close(out, results[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_nan_and_huge_windows(isa):
+    """A NaN in one key poisons every query that sees it (as in torch); a window past any length sees every key."""
+    qkv = qkv_of(9, 2, 8)
+    qkv[4, 1, 0, 3] = float("nan")  # key 4 of head 0
+    out = _extension.attention_cpu(qkv, [9], None, 2, isa=isa)
+    sees_key_4 = (torch.arange(9) - 4).abs() <= 2
+    assert out[:, 0].isnan().any(dim=-1).equal(sees_key_4) and not out[:, 1].isnan().any()
+    clean = qkv_of(9, 2, 8)
+    for window in (2 ** 31, 2 ** 32, 2 ** 40):
+        torch.testing.assert_close(_extension.attention_cpu(clean, [9], None, window, isa=isa),
+                                   _extension.attention_cpu(clean, [9], isa=isa), rtol=0, atol=0)
+
+
+def test_registered_op():
+    """The torch.library op's schema, fake tensor and autograd registration (torch.compile sees one opaque op)."""
+    qkv, table = qkv_of(12, 2, 8), table_of(2, 3)
+    torch.library.opcheck(torch.ops.fastbert.attention_cpu.default, (qkv, [5, 7], table, 2, None, ""))
 
 
 def test_bad_arguments_raise_before_the_kernel():
@@ -105,12 +130,59 @@ def test_bad_arguments_raise_before_the_kernel():
         _extension.attention_cpu(qkv, [5], isa="sse2")
 
 
-def test_model_attention_takes_the_kernel_for_float32_inference():
-    """The dispatch picks it for float32 on CPU; a packed layout and a dense one without padding both run it."""
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The calls attention() makes to the kernel (sequence lengths, bias, window, columns given or not)."""
+    calls, kernel = [], _extension.attention_cpu
+
+    def counted(qkv, seqlens, relative_bias=None, window=None, columns=None, isa=""):
+        calls.append((tuple(seqlens), relative_bias is not None, window, columns is not None))
+        return kernel(qkv, seqlens, relative_bias, window, columns, isa)
+
+    monkeypatch.setattr(attention._extension, "attention_cpu", counted)
+    return calls
+
+
+def layout_of(mask, unpad=True, relative_bias=None):
+    layout = padding.unpadded_layout(mask) if unpad else padding.dense_layout(*mask.shape, mask.bool())
+    return padding.with_columns(dataclasses.replace(layout, relative_bias=relative_bias))
+
+
+@pytest.mark.skipif(dispatch.requested_backend() != "auto", reason="FASTBERT_BACKEND chooses another backend")
+@pytest.mark.parametrize("window", [None, 1])
+@pytest.mark.parametrize("radius", [None, 3])
+def test_model_attention_runs_the_kernel(kernel_calls, window, radius):
+    """float32 inference on CPU runs the kernel: packed (with holes: by columns), dense without padding (no mask, or
+    a mask of ones as unpad=False gives it: bit for bit the same); a dense mask with padding keeps torch's SDPA."""
     assert dispatch.report(torch.device("cpu"), torch.float32)[0]["attention"] == "cpu-ext"
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    layout = padding.unpadded_layout(mask)
+    table = None if radius is None else table_of(2, radius)
+    cases = [  # (mask, unpad, kernel's lengths, columns passed)
+        (torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), True, (3, 4), False),
+        (torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0]]), True, (3, 2), True),
+        (torch.ones(2, 4, dtype=torch.long), True, (4, 4), False),
+        (torch.ones(2, 4, dtype=torch.long), False, (4, 4), False),
+        (torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), False, None, None),
+    ]
+    for mask, unpad, lengths, by_columns in cases:
+        kernel_calls.clear()
+        layout = layout_of(mask, unpad, table)
+        qkv = qkv_of(layout.tokens, 2, 8).view(layout.tokens, 48)
+        with torch.inference_mode():
+            out = attention.attention(qkv, layout, 2, window=window).view(layout.tokens, 2, 8)
+        if lengths is None:
+            assert kernel_calls == []
+            continue
+        assert kernel_calls == [(lengths, radius is not None, window, by_columns and (window, radius) != (None, None))]
+        real = mask.bool().flatten() if not layout.packed else torch.ones(layout.tokens, dtype=torch.bool)
+        columns = torch.arange(4).expand(2, 4)[mask.bool()].to(torch.int32)
+        expected = reference(qkv.view(-1, 3, 2, 8)[real], mask.sum(dim=1).tolist(), table, window, columns)
+        torch.testing.assert_close(out[real], expected, rtol=0, atol=FP32_TOL)
+
+
+def test_gradients_take_the_differentiable_path(kernel_calls):
+    """The kernel is forward-only: gradients (of q, k, v or of a trainable bias alone) run torch's SDPA."""
+    layout = layout_of(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), relative_bias=table_of(2, 3).requires_grad_())
     qkv = qkv_of(7, 2, 8).view(7, 48)
-    with torch.inference_mode():
-        out = attention.attention(qkv, layout, 2)
-    torch.testing.assert_close(out.view(7, 2, 8), reference(qkv.view(7, 3, 2, 8), [3, 4]), rtol=0, atol=FP32_TOL)
+    with pytest.warns(RuntimeWarning, match="gradients are required"):
+        attention.attention(qkv, layout, 2).sum().backward()
+    assert kernel_calls == [] and layout.relative_bias.grad.abs().sum() > 0
