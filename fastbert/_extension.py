@@ -239,3 +239,34 @@ def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None
     ValueError before the kernel runs when the arguments do not fit."""
     return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
                         isa)
+
+
+# Sequences the dispatch times both attentions on, once per machine: a batch of 8 x 128 tokens and one of 512
+# (bert-base's 12 heads of 64). The kernel replaces torch's SDPA only where it is faster at both: measured on Zen 4
+# it is at every length; its AVX2 build, timed there against SDPA's AVX-512 one, wins at 128 tokens, not at 512.
+ATTENTION_MEASURED = {128: [128] * 8, 512: [512]}
+
+
+def attention_cpu_measure() -> dict[str, dict[int, float]]:
+    """GFLOP/s of torch's per-sequence SDPA and of ``attention_cpu`` on ``ATTENTION_MEASURED`` with torch's thread
+    count: {"torch": {tokens: gflops}, "cpu-ext": {...}} (median of 11 after 3 warm-ups, interleaved; ~0.3 s)."""
+    import torch.nn.functional as F
+
+    from .kernels.cpu_linear import median_seconds
+
+    generator = torch.Generator().manual_seed(0)
+    figures = {"torch": {}, "cpu-ext": {}}
+    with torch.inference_mode():
+        for tokens, seqlens in ATTENTION_MEASURED.items():
+            qkv = torch.randn(sum(seqlens), 3, 12, 64, generator=generator)
+
+            def sdpa():
+                for chunk in qkv.split(seqlens):
+                    q, k, v = chunk.permute(1, 2, 0, 3)[:, None]
+                    F.scaled_dot_product_attention(q, k, v)
+
+            seconds = median_seconds({"torch": sdpa, "cpu-ext": lambda: attention_cpu(qkv, seqlens)}, reps=11)
+            gflop = sum(4 * length * length * 12 * 64 for length in seqlens) / 1e9
+            for name, value in seconds.items():
+                figures[name][tokens] = round(gflop / value, 1)
+    return figures

@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from . import _extension
 from .kernels import cpu_linear, int8_linear
 
 # The instruction-set flags that change what is fast here, as /proc/cpuinfo names them.
@@ -97,6 +98,11 @@ def gemm_figures_so_far() -> dict[torch.dtype, dict]:
         return {what: figures for what, figures in _figures.items() if isinstance(what, torch.dtype)}
 
 
+def attention_figures_so_far() -> dict | None:
+    with _lock:
+        return _figures.get("attention")
+
+
 def int8_figures(bits: int) -> dict:
     """Effective GFLOP/s of the fp32 GEMMs (torch, oneDNN where it runs) and of the int8 linear with ``bits``-bit
     weights, activation quantization included (``int8_linear.measure``), measured once per machine (~2 s)."""
@@ -107,7 +113,7 @@ def int8_figures(bits: int) -> dict:
 
 def int8_figures_so_far() -> dict:
     with _lock:
-        return {f"w{what[1]}": figures for what, figures in _figures.items() if not isinstance(what, torch.dtype)}
+        return {f"w{what[1]}": figures for what, figures in _figures.items() if isinstance(what, tuple)}
 
 
 def int8_slower_reason(bits: int, margin: float) -> str | None:
@@ -131,6 +137,23 @@ def onednn_slower_reason(dtype: torch.dtype) -> str | None:
         if onednn_gflops < ONEDNN_MARGIN * torch_gflops:
             return (f"not {ONEDNN_MARGIN}x faster than torch's F.linear on this CPU at {tokens} tokens "
                     f"({onednn_gflops} vs {torch_gflops} GFLOP/s, {str(dtype).removeprefix('torch.')})")
+    return None
+
+
+def attention_figures() -> dict:
+    """GFLOP/s of torch's SDPA and of the C++ CPU attention (float32) at ``_extension.ATTENTION_MEASURED``'s
+    sequences with torch's thread count here, measured once per machine (~0.3 s), then read back."""
+    return _measured("attention", f"{_key(torch.float32)} attention", ("torch", "cpu-ext"),
+                     _extension.attention_cpu_measure)
+
+
+def attention_slower_reason() -> str | None:
+    """Why the C++ CPU attention does not replace torch's SDPA here (slower at some measured size), or None."""
+    figures = attention_figures()
+    for tokens, torch_gflops in figures["torch"].items():
+        if figures["cpu-ext"][tokens] < torch_gflops:
+            return (f"slower than torch's SDPA on this CPU at {tokens} tokens ({figures['cpu-ext'][tokens]} vs "
+                    f"{torch_gflops} GFLOP/s)")
     return None
 
 

@@ -116,6 +116,24 @@ def _ext_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [f"device {device.type} is not supported by the extension"]
 
 
+def _attention_ext_reasons() -> list[str]:
+    """Why the C++ CPU attention does not run here: unavailable, or measured slower than SDPA on this CPU."""
+    reasons = _extension.attention_cpu_unavailable_reasons()
+    if not reasons:
+        try:
+            slower = cpu.attention_slower_reason()
+        except RuntimeError as error:  # the kernel refusing this CPU: SDPA, never a failed forward
+            return [f"the C++ CPU attention failed here: {error}"]
+        if slower:
+            reasons.append(MeasuredChoice(slower))
+    return reasons
+
+
+class MeasuredChoice(str):
+    """A reason that is this machine's measured choice between two exact implementations, not a fallback: reported
+    by ``fastbert.info()``, never warned."""
+
+
 def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, list[str]]:
     """backend -> reasons it does not apply (empty list: it applies), fastest first, ignoring overrides."""
     ext = "cuda-ext" if device.type == "cuda" else "cpu-ext"
@@ -131,7 +149,7 @@ def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, l
         options[ext] = _ext_reasons(device, dtype)
     if op == "attention" and device.type == "cpu" and dtype == torch.float32:
         # (bfloat16 takes torch's flash SDPA, which keeps its scores in float32 too)
-        options[ext] = _extension.attention_cpu_unavailable_reasons()
+        options[ext] = _attention_ext_reasons()
     if device.type == "cpu" and op != "embedding" and not triton_interpreter():
         # On CPU, torch's own ops (oneDNN GEMMs, SDPA, fused LayerNorm) are the fast path for everything but the
         # embedding gather; Triton runs on CPU only through its interpreter, for testing.
@@ -248,7 +266,8 @@ def _decide(op, device, dtype, needs_reference, requested, interpreter, cpu_gemm
     if needs_reference and best != "torch":
         return "torch", f"{op} runs the torch reference ops instead of {best}: {needs_reference}"
     # On CPU, skipping Triton is the design (torch ops are the fast path there), not a fallback to report.
-    skipped = [b for b in list(options)[: list(options).index(best)] if b != "triton" or device.type == "cuda"]
+    skipped = [b for b in list(options)[: list(options).index(best)] if (b != "triton" or device.type == "cuda")
+               and not all(isinstance(reason, MeasuredChoice) for reason in options[b])]
     if requested == "auto" and skipped:
         return best, f"{op} is not using {skipped[0]}: {'; '.join(options[skipped[0]])}"
     return best, None

@@ -50,9 +50,11 @@ def info() -> dict:
         "input_checks": validation.input_checks_enabled(),
         # The CPU: its name, the instruction sets that decide the fast paths, whether bf16 is native here.
         "cpu": {**cpu.identity(), "native_bf16": cpu.native_bf16()},
-        # The C++ CPU attention (float32 inference): the instruction sets it runs with here, or why it does not.
+        # The C++ CPU attention (float32 inference): the instruction sets it runs with here, or why it does not, and
+        # its GFLOP/s against torch's SDPA as measured on this CPU (once per machine, at the first CPU forward).
         "cpu_attention": {"isas": _extension.attention_cpu_isas(),
-                          "unavailable": _extension.attention_cpu_unavailable_reasons()},
+                          "unavailable": _extension.attention_cpu_unavailable_reasons(),
+                          "measured_gflops": cpu.attention_figures_so_far()},
         # CPU GEMM library: FASTBERT_CPU_GEMM, and what was measured on this CPU (GFLOP/s per token count, once per
         # machine and dtype; "source": measured now, or the file that holds this machine's figures).
         "cpu_gemm": {

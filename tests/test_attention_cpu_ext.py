@@ -6,11 +6,14 @@ every tile size), with and without the relative bias, a window and holes (distan
 """
 
 import dataclasses
+import json
+import warnings
 
 import pytest
 import torch
 
-from fastbert import _extension, attention, dispatch, padding
+import fastbert
+from fastbert import _extension, attention, cpu, dispatch, padding
 from fastbert.kernels.attention import attention_varlen_ref
 
 pytestmark = pytest.mark.skipif(bool(_extension.attention_cpu_unavailable_reasons()),
@@ -186,3 +189,25 @@ def test_gradients_take_the_differentiable_path(kernel_calls):
     with pytest.warns(RuntimeWarning, match="gradients are required"):
         attention.attention(qkv, layout, 2).sum().backward()
     assert kernel_calls == [] and layout.relative_bias.grad.abs().sum() > 0
+
+
+def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """The kernel replaces SDPA where it measured faster at every size (the figures kept per machine, in info());
+    where it measured slower, SDPA runs without a warning: a measured choice between exact paths, not a fallback."""
+    monkeypatch.setattr(cpu, "_figures", {})
+    monkeypatch.setattr(dispatch, "_decisions", {})
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    figures = cpu.attention_figures()
+    assert figures["source"] == "measured" and set(figures["torch"]) == set(figures["cpu-ext"]) == {128, 512}
+    assert fastbert.info()["cpu_attention"]["measured_gflops"] == figures
+    store = json.loads((tmp_path / "cpu_gemm.json").read_text())
+    store[f"{cpu._key(torch.float32)} attention"] = {"torch": {"128": 100.0, "512": 100.0},
+                                                     "cpu-ext": {"128": 120.0, "512": 90.0}}
+    (tmp_path / "cpu_gemm.json").write_text(json.dumps(store))
+    monkeypatch.setattr(cpu, "_figures", {})
+    backends, reasons = dispatch.report(torch.device("cpu"), torch.float32)
+    assert backends["attention"] == "torch"
+    assert "slower than torch's SDPA on this CPU at 512 tokens (90.0 vs 100.0 GFLOP/s)" in reasons["attention"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.choose("attention", torch.empty(2)) == "torch"
