@@ -162,16 +162,21 @@ def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position
 
 
 def attention_cpu_unavailable_reasons() -> list[str]:
-    """Why ``attention_cpu`` cannot run here ([] when it can)."""
+    """Why ``attention_cpu`` cannot run here ([] when it can): a property of this build and CPU, found once."""
+    return list(_attention_cpu_reasons())
+
+
+@functools.cache
+def _attention_cpu_reasons() -> tuple[str, ...]:
     if _C is None:
-        return [_IMPORT_ERROR]
+        return (_IMPORT_ERROR,)
     if not hasattr(_C, "attention_cpu"):
-        return ["fastbert._C predates the CPU attention kernel; reinstall fastbert"]
+        return ("fastbert._C predates the CPU attention kernel; reinstall fastbert",)
     if not _C.attention_cpu_isas():
-        return ["fastbert's CPU attention kernel needs an x86-64 CPU with AVX2 and FMA"]
+        return ("fastbert's CPU attention kernel needs an x86-64 CPU with AVX2 and FMA",)
     if not _BUILD_INFO["openmp"]:
-        return ["fastbert._C was built without OpenMP, so its CPU attention would run on one thread"]
-    return []
+        return ("fastbert._C was built without OpenMP, so its CPU attention would run on one thread",)
+    return ()
 
 
 def attention_cpu_isas() -> list[str]:

@@ -20,7 +20,7 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
 
     qkv: [rows, 3 * hidden] straight from the fused QKV GEMM -> [rows, hidden] (rows: the layout's tokens, then its
     spare rows, which come out zero). Distances below are between columns (places in the padded [B, S] batch; a
-    packed layout then needs ``layout.columns``): window: None, or the largest distance between a query and a key it
+    packed layout whose mask has holes carries them in ``layout.columns``): window: None, or the largest distance between a query and a key it
     attends to (ModernBERT's local layers). The bias: ``layout.relative_bias``, None or float32 [H, 2R + 1], the
     bias of the distance j - i clamped to [-R, R] (MPNet's relative positions, shared by every layer).
     """
@@ -51,9 +51,7 @@ def _attention(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, backe
         return attention_kernels.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias)
     if backend == "cpu-ext":
         if layout.packed:
-            # (a compiled graph passes the columns rather than branch on them: the kernel reads them either way)
-            holes = columns is not None and (torch.compiler.is_compiling() or _has_holes(layout.cu_seqlens, columns))
-            return _extension.attention_cpu(heads, layout.seqlens, relative_bias, window, columns if holes else None)
+            return _extension.attention_cpu(heads, layout.seqlens, relative_bias, window, columns)
         if _every_key_real(layout):  # dense with every token real: batch sequences of seq_len rows each
             return _extension.attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window)
         # (a dense layout with padding, unpad=False, keeps its padded rows: torch's masked SDPA below)
@@ -62,15 +60,6 @@ def _attention(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, backe
             return _attention_packed_via_padded_sdpa(heads, layout, dropout_p, window)
         return _attention_varlen_sdpa(heads, layout, dropout_p, window)
     return _attention_sdpa(heads, layout, dropout_p, window)
-
-
-def _has_holes(cu_seqlens: torch.Tensor, columns: torch.Tensor) -> bool:
-    """Whether a packed layout's sequences skip columns (a mask with holes), so that distances between the tokens'
-    columns differ from those between their offsets. Host tensors: no sync."""
-    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
-    real = ends > starts
-    span = columns[ends[real] - 1] - columns[starts[real]]
-    return bool((span != ends[real] - starts[real] - 1).any())
 
 
 def _every_key_real(layout: TokenLayout) -> bool:
@@ -154,8 +143,6 @@ def _attention_varlen_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: 
     for chunk, cols in zip(heads.split(seqlens), chunks):
         q, k, v = chunk.permute(1, 2, 0, 3)[:, None]  # [1, H, L, D] each
         length, mask = chunk.shape[0], None
-        if cols is not None and length and int(cols[-1]) - int(cols[0]) == length - 1:
-            cols = None  # consecutive columns (no hole): distances are the offsets' (host memory: no sync)
         if window is not None:  # (every query sees itself: no row is fully masked)
             mask = _band(torch.arange(length, device=chunk.device) if cols is None else cols, window)  # [L, L] bool
         if layout.relative_bias is not None:

@@ -28,9 +28,9 @@ class TokenLayout:
     ``rotary``: in a rotary-position model, {table name: each row's (cos, sin), float32 [N + spare_rows, head_dim / 2]
     each} (``fastbert/rotary.py``; ModernBERT has one table per attention type), built once per forward from the
     rows' positions and read by every layer.
-    ``columns``: packed layout of a model with windowed attention or relative positions: [N] int32, each token's
-    column in [0, S) (those distances are between columns, as in transformers; holes in the mask make them differ from
-    distances between packed rows).
+    ``columns``: packed layout of a model with windowed attention or relative positions, whose mask has holes (or
+    whose holes were not looked for: GPU, compiled): [N] int32, each token's column in [0, S) (those distances are
+    between columns, as in transformers; holes in the mask make them differ from distances between packed rows).
     ``relative_bias``: MPNet's relative-position bias by distance, float32 [H, 2R + 1], built once per forward.
     """
 
@@ -77,10 +77,23 @@ class TokenLayout:
 
 def with_columns(layout: TokenLayout) -> TokenLayout:
     """The layout with ``columns`` (packed: each token's column in the padded batch, [N] int32), for attention that
-    measures distances between tokens; a dense layout's columns are its indices, none needed."""
+    measures distances between tokens; a dense layout's columns are its indices, none needed. Nor are they when every
+    sequence's columns are consecutive (no hole in the mask: distances between offsets are the same), which a CPU
+    layout tells once per forward from host memory (a GPU one would have to sync; a compiled graph keeps them)."""
     if not layout.packed:
         return layout
-    return replace(layout, columns=torch.remainder(layout.indices, layout.seq_len).to(torch.int32))
+    columns = torch.remainder(layout.indices, layout.seq_len).to(torch.int32)
+    if columns.device.type == "cpu" and not torch.compiler.is_compiling() and not _has_holes(layout, columns):
+        return layout
+    return replace(layout, columns=columns)
+
+
+def _has_holes(layout: TokenLayout, columns: torch.Tensor) -> bool:
+    """Whether some sequence of a packed layout skips columns: its last column minus its first is not its length - 1."""
+    starts, ends = layout.cu_seqlens[:-1].long(), layout.cu_seqlens[1:].long()
+    real = ends > starts
+    span = columns[ends[real] - 1] - columns[starts[real]]
+    return bool((span != ends[real] - starts[real] - 1).any())
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
