@@ -13,48 +13,54 @@
 
 import importlib
 
+from . import _checkout
+
 __version__ = "0.1.0"
 
-from .auto import (  # noqa: E402
-    AutoModel,
-    AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
-    AutoModelForPreTraining,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
-from .derived import clear as clear_caches  # noqa: E402
-from .graphs import cuda_graphs  # noqa: E402
-from .models import (  # noqa: E402
-    BertModel,
-    CamembertModel,
-    DistilBertModel,
-    ElectraModel,
-    RobertaModel,
-    XLMRobertaModel,
-)
-from .models import UNAVAILABLE as _UNAVAILABLE  # noqa: E402
-from .optimize import optimize  # noqa: E402
-from .quantize import quantize  # noqa: E402
-from .validation import set_input_checks  # noqa: E402
+if _checkout.shadowed(__name__):
+    # The repository's source folder, found first from the checkout's root: the installed package replaces it.
+    _checkout.load_installed(__name__, __file__)
+else:
+    from .auto import (
+        AutoModel,
+        AutoModelForMaskedLM,
+        AutoModelForMultipleChoice,
+        AutoModelForPreTraining,
+        AutoModelForQuestionAnswering,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+    from .derived import clear as clear_caches
+    from .graphs import cuda_graphs
+    from .models import (
+        BertModel,
+        CamembertModel,
+        DistilBertModel,
+        ElectraModel,
+        RobertaModel,
+        XLMRobertaModel,
+    )
+    from .models import UNAVAILABLE as _UNAVAILABLE
+    from .optimize import optimize
+    from .quantize import quantize
+    from .validation import set_input_checks
 
-__all__ = [
-    "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel",
-    "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
-    "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
-    "optimize", "quantize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
-]
-for _name in ("GteModel", "NomicBertModel", "ModernBertModel", "MPNetModel"):  # (families of newer transformers: see fastbert.models)
-    if _name not in _UNAVAILABLE:
-        globals()[_name] = getattr(importlib.import_module(".models", __name__), _name)
-        __all__.append(_name)
+    __all__ = [
+        "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel",
+        "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+        "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
+        "optimize", "quantize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
+    ]
+    # (families of newer transformers: see fastbert.models)
+    for _name in ("GteModel", "NomicBertModel", "ModernBertModel", "MPNetModel"):
+        if _name not in _UNAVAILABLE:
+            globals()[_name] = getattr(importlib.import_module(".models", __name__), _name)
+            __all__.append(_name)
 
-
-def __getattr__(name):
-    # ``info`` is imported on first use, so that ``python -m fastbert.info`` runs the module fresh.
-    if name == "info":
-        return importlib.import_module(".info", __name__)
-    if name in _UNAVAILABLE:
-        raise AttributeError(f"fastbert.{name} is not available: {_UNAVAILABLE[name]}")
-    raise AttributeError(f"module 'fastbert' has no attribute {name!r}")
+    def __getattr__(name):
+        # ``info`` is imported on first use, so that ``python -m fastbert.info`` runs the module fresh.
+        if name == "info":
+            return importlib.import_module(".info", __name__)
+        if name in _UNAVAILABLE:
+            raise AttributeError(f"fastbert.{name} is not available: {_UNAVAILABLE[name]}")
+        raise AttributeError(f"module 'fastbert' has no attribute {name!r}")

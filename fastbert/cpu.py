@@ -1,24 +1,26 @@
-"""The CPU fastbert runs on: its name, the instruction sets that decide which paths are fast (or exact), and the GEMM
-measurements made on it, kept per machine so that every process on it makes the same choice.
+"""The CPU fastbert runs on: its name, the instruction sets that decide which paths are fast (or exact), and the
+one-time measurements that choose between exact implementations on it.
 
 fastbert never decides from the vendor or the model name: AMD and Intel CPUs of one name differ (seen: oneDNN 1.05x
-and 2x MKL on two "AMD EPYC" machines). It decides from capabilities (``/proc/cpuinfo`` flags) and from a one-time
-measurement of both GEMM libraries on this CPU. The measurement is written to ``$FASTBERT_CACHE_DIR`` (default
-``~/.cache/fastbert``) keyed by the CPU's name and flags, torch's version, the thread count and the dtype, so the
-next process reads it instead of timing again: two processes on the same machine run the same GEMMs and give the
-same bits. Delete the file to measure again.
+and 2x MKL on two "AMD EPYC" machines; the C++ attention 1.3x SDPA on a Zen 4 and 0.75x on an Intel Xeon). It decides
+from capabilities (``/proc/cpuinfo`` flags) and from a one-time measurement of both implementations on this CPU,
+kept in the per-machine store (``store.py``) under the CPU's name and flags, torch's version, the thread count and
+the dtype, so that every process on the machine makes the same choice and gets the same bits.
+
+A measurement runs in a short-lived thread (a process forked afterwards does not inherit its OpenMP threads, see
+``threads.py``) and is checked for load: if its threads did not get the CPU, nothing measured is kept, and until the
+machine is measured quietly each choice keeps its default, what transformers runs (F.linear, SDPA; int8 where the
+CPU has an int8 dot product path at all).
 """
 
 import functools
-import json
 import os
 import platform
-import tempfile
 import threading
 
 import torch
 
-from . import _extension
+from . import _extension, store, threads
 from .kernels import cpu_linear, int8_linear
 
 # The instruction-set flags that change what is fast here, as /proc/cpuinfo names them.
@@ -32,7 +34,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_v
 # at 128 tokens and 1.097x at 1024; mpnet-base 8 x 128 with oneDNN 1.19x transformers, with F.linear 1.05x.
 ONEDNN_MARGIN = 1.05
 
-ENV_CACHE_DIR = "FASTBERT_CACHE_DIR"
+ENV_CACHE_DIR = store.ENV_CACHE_DIR
 
 
 @functools.cache
@@ -64,33 +66,47 @@ def native_bf16() -> bool:
     return flags["avx512_bf16"] or flags["amx_bf16"]
 
 
-# --- GEMM measurements, per machine ---------------------------------------------------------------------------------
+# --- measurements, per machine -------------------------------------------------------------------------------------
 
-_figures: dict = {}  # torch.dtype -> the fp32/bf16 GEMM figures; ("int8", bits) -> the int8 ones
+_figures: dict = {}  # torch.dtype -> the fp32/bf16 GEMM figures; ("int8", bits) -> the int8 ones; "attention"
 _lock = threading.Lock()  # concurrent first forwards: one measurement, not two timing each other
 
 
-def _measured(what, key: str, libraries: tuple[str, ...], measure) -> dict:
-    """``measure()``'s figures {library: {tokens: gflops}} for ``what``, read from this machine's store under ``key``
-    or measured now and stored; with "source": "measured", or the file they were read from."""
+def _measured(what, name: str, libraries: tuple[str, ...], tokens: tuple[int, ...], measure) -> dict:
+    """``measure()``'s figures {library: {tokens: figure}} for ``what``, from this machine's store or measured now
+    (``store.figures``), with "source"; {"busy": why, "source": ...} where the machine was too busy to measure."""
     with _lock:
         if what not in _figures:
-            stored = _read_store().get(key)
-            if stored is not None and all(lib in stored for lib in libraries):
-                figures = {lib: {int(t): g for t, g in stored[lib].items()} for lib in libraries}
-                figures["source"] = _store_path()
-            else:
-                figures = {**measure(), "source": "measured"}
-                _write_store(key, {lib: figures[lib] for lib in libraries})
-            _figures[what] = figures
+            count = threads.most()
+            _figures[what] = store.figures(_key(name, count), libraries, tokens, lambda: _timed(measure, count))
         return _figures[what]
+
+
+def _timed(measure, count: int) -> tuple[dict, str | None]:
+    """``measure()`` in a short-lived thread of ``count`` threads -> (its figures, why they cannot be trusted or
+    None): its threads must have had the CPU (their CPU time at least ``store.BUSY_RATIO`` of wall time x threads),
+    and other processes must have left them enough CPUs."""
+    before = threads.sample()
+    figures = threads.in_own_thread(measure, threads=count)
+    after = threads.sample()
+    if before is None or after is None or after[0] <= before[0]:
+        return figures, None
+    wall = after[0] - before[0]
+    share = (after[2] - before[2]) / (wall * count)
+    others = max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall
+    if share < store.BUSY_RATIO:
+        return figures, (f"its {count} thread(s) ran {share:.0%} of the time (other processes had the CPU)")
+    if others > threads.affinity() - count + 0.5:
+        return figures, f"other processes kept {others:.1f} of {threads.affinity()} CPUs busy"
+    return figures, None
 
 
 def gemm_figures(dtype: torch.dtype) -> dict:
     """GFLOP/s of torch's F.linear and of oneDNN's packed linear at ``cpu_linear.MEASURED_TOKENS`` tokens in
-    ``dtype`` with torch's thread count here: {"torch": {tokens: gflops}, "onednn": {...}, "source": "measured" or
-    the file it was read from}. Measured once per machine (~0.1 s), then read back by every process."""
-    return _measured(dtype, _key(dtype), ("torch", "onednn"), lambda: cpu_linear.measure(dtype))
+    ``dtype``: {"torch": {tokens: gflops}, "onednn": {...}, "source": ...} (or "busy"). Measured once per machine
+    (~0.2 s), then read back by every process."""
+    return _measured(dtype, str(dtype), ("torch", "onednn"), cpu_linear.MEASURED_TOKENS,
+                     lambda: cpu_linear.measure(dtype))
 
 
 def gemm_figures_so_far() -> dict[torch.dtype, dict]:
@@ -106,8 +122,8 @@ def attention_figures_so_far() -> dict | None:
 def int8_figures(bits: int) -> dict:
     """Effective GFLOP/s of the fp32 GEMMs (torch, oneDNN where it runs) and of the int8 linear with ``bits``-bit
     weights, activation quantization included (``int8_linear.measure``), measured once per machine (~2 s)."""
-    libraries = ("torch", "onednn", "int8")
-    return _measured(("int8", bits), f"{_key(torch.float32)} int8 w{bits}", libraries,
+    libraries = ("torch", "onednn", "int8") if not cpu_linear.unavailable_reasons(torch.float32) else ("torch", "int8")
+    return _measured(("int8", bits), f"{torch.float32} int8 w{bits}", libraries, int8_linear.MEASURED_TOKENS,
                      lambda: int8_linear.measure(bits))
 
 
@@ -118,10 +134,12 @@ def int8_figures_so_far() -> dict:
 
 def int8_slower_reason(bits: int, margin: float) -> str | None:
     """Why int8 GEMMs do not replace the fp32 ones here (not ``margin`` times faster than the faster fp32 library at
-    every measured size), or None when they do."""
+    every measured size), or None when they do (also while the machine is too busy to measure: int8's default)."""
     figures = int8_figures(bits)
+    if "busy" in figures:
+        return None
     for tokens, int8_gflops in figures["int8"].items():
-        fp32_gflops = max(figures[lib].get(tokens, 0.0) for lib in ("torch", "onednn"))
+        fp32_gflops = max(figures[lib].get(tokens, 0.0) for lib in ("torch", "onednn") if lib in figures)
         if int8_gflops < margin * fp32_gflops:
             return (f"int8 GEMMs are not {margin}x faster than float32 on this CPU at {tokens} tokens "
                     f"({int8_gflops} vs {fp32_gflops} GFLOP/s)")
@@ -130,8 +148,10 @@ def int8_slower_reason(bits: int, margin: float) -> str | None:
 
 def onednn_slower_reason(dtype: torch.dtype) -> str | None:
     """Why oneDNN does not replace F.linear on this CPU for ``dtype`` (not ``ONEDNN_MARGIN`` faster at every
-    measured size), or None when it does."""
+    measured size, or not measured yet because the machine was busy), or None when it does."""
     figures = gemm_figures(dtype)
+    if "busy" in figures:
+        return f"not measured yet: the machine was busy when fastbert tried ({figures['busy']})"
     for tokens, torch_gflops in figures["torch"].items():
         onednn_gflops = figures["onednn"][tokens]
         if onednn_gflops < ONEDNN_MARGIN * torch_gflops:
@@ -142,14 +162,17 @@ def onednn_slower_reason(dtype: torch.dtype) -> str | None:
 
 def attention_figures() -> dict:
     """GFLOP/s of torch's SDPA and of the C++ CPU attention (float32) at ``_extension.ATTENTION_MEASURED``'s
-    sequences with torch's thread count here, measured once per machine (~0.3 s), then read back."""
-    return _measured("attention", f"{_key(torch.float32)} attention", ("torch", "cpu-ext"),
-                     _extension.attention_cpu_measure)
+    sequences, measured once per machine (~0.3 s), then read back."""
+    return _measured("attention", f"{torch.float32} attention", ("torch", "cpu-ext"),
+                     tuple(_extension.ATTENTION_MEASURED), _extension.attention_cpu_measure)
 
 
 def attention_slower_reason() -> str | None:
-    """Why the C++ CPU attention does not replace torch's SDPA here (slower at some measured size), or None."""
+    """Why the C++ CPU attention does not replace torch's SDPA here (slower at some measured size, or not measured
+    yet because the machine was busy), or None."""
     figures = attention_figures()
+    if "busy" in figures:
+        return f"not measured yet: the machine was busy when fastbert tried ({figures['busy']})"
     for tokens, torch_gflops in figures["torch"].items():
         if figures["cpu-ext"][tokens] < torch_gflops:
             return (f"slower than torch's SDPA on this CPU at {tokens} tokens ({figures['cpu-ext'][tokens]} vs "
@@ -157,37 +180,10 @@ def attention_slower_reason() -> str | None:
     return None
 
 
-def _key(dtype: torch.dtype) -> str:
+def _key(name: str, count: int | None = None) -> str:
+    """The store's key of a measurement: this CPU, torch, the thread count (default: a forward's now), what is
+    measured."""
+    count = count or threads.most()
     cpu = identity()
     flags = ",".join(flag for flag, present in cpu["flags"].items() if present)
-    return f"{cpu['model']} [{flags}] torch {torch.__version__} threads {torch.get_num_threads()} {dtype}"
-
-
-def _store_path() -> str:
-    folder = os.environ.get(ENV_CACHE_DIR) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fastbert")
-    return os.path.join(folder, "cpu_gemm.json")
-
-
-def _read_store() -> dict:
-    try:
-        with open(_store_path()) as f:
-            store = json.load(f)
-        return store if isinstance(store, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_store(key: str, figures: dict) -> None:
-    """Add ``figures`` under ``key``, atomically (a concurrent reader sees the old file or the new one). A
-    read-only home keeps the figures for this process only."""
-    path = _store_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        store = {**_read_store(), key: figures}
-        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(handle, "w") as f:
-            json.dump(store, f, indent=1, sort_keys=True)
-        os.replace(temporary, path)
-    except OSError:
-        pass
+    return f"{cpu['model']} [{flags}] torch {torch.__version__} threads {count} {name}"

@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, cpu, dispatch, int8, validation
+from . import __version__, _extension, announce, cpu, dispatch, int8, threads, validation
 from .optimize import reports as optimize_reports
 from .quantize import reports as quantize_reports
 
@@ -50,6 +50,8 @@ def info() -> dict:
         "input_checks": validation.input_checks_enabled(),
         # The CPU: its name, the instruction sets that decide the fast paths, whether bf16 is native here.
         "cpu": {**cpu.identity(), "native_bf16": cpu.native_bf16()},
+        # The threads a CPU forward runs: torch's count within the affinity mask, the cgroup quota and the load.
+        "threads": threads.report(),
         # The C++ CPU attention (float32 inference): the instruction sets it runs with here, or why it does not, and
         # its GFLOP/s against torch's SDPA as measured on this CPU (once per machine, at the first CPU forward).
         "cpu_attention": {"isas": _extension.attention_cpu_isas(),

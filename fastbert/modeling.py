@@ -19,13 +19,14 @@ load strictly both ways, ``fastbert.optimize`` turns an HF model into ours by se
 does not accelerate runs transformers' own code on the same modules.
 """
 
+import contextlib
 import inspect
 
 import torch
 import transformers
 from transformers import PreTrainedModel
 
-from . import announce, cpu, dispatch, int8, layers, padding, plain, rotary, validation
+from . import announce, cpu, dispatch, int8, layers, padding, plain, rotary, threads, validation
 from . import plan as plans
 
 # transformers 5 drops None from tuple outputs; 4.x keeps the pooler's slot (heads index outputs[2:]).
@@ -166,7 +167,9 @@ class FusedModel(layers.Fused):
         inputs_embeds = inputs["inputs_embeds"]
         embeds = None if inputs_embeds is None else padding.pack(inputs_embeds, layout)
         keep = _selected_states(_flag(kwargs, "output_hidden_states", self.config), self.config.num_hidden_layers)
-        with int8.counting(layout):  # (int8 GEMMs take their activation range over the layout's tokens only)
+        # (int8 GEMMs take their activation range over the layout's tokens only; a CPU forward runs the threads the
+        # machine gives it, threads.py)
+        with int8.counting(layout), _cpu_threads(word.device):
             return self._finish(self._encode(indices, layout, embeds, keep), kwargs)
 
     def _encode(self, indices: torch.Tensor, layout: padding.TokenLayout, inputs_embeds: torch.Tensor | None = None,
@@ -356,6 +359,10 @@ class FusedModel(layers.Fused):
             or dispatch.exporting()
             or batch * seq_len == 0
         )
+
+
+def _cpu_threads(device: torch.device):
+    return threads.running(threads.for_forward()) if device.type == "cpu" else contextlib.nullcontext()
 
 
 def _register_output_capture(model) -> None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from . import announce, int8, modeling
+from . import announce, int8, modeling, threads
 from .optimize import accelerate
 
 logger = logging.getLogger("fastbert")
@@ -74,8 +74,8 @@ def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = 
     if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
         raise ValueError("texts must be a non-empty list of non-empty strings")
     batches = _batches(_tokenizer(model, tokenizer, encoders), texts, encoders)
-    with _evaluating(model), torch.inference_mode():
-        outcome = _guarded_choice(model, encoders, layers, batches, bits)
+    with _evaluating(model):  # (in a thread of its own: a process forked afterwards keeps its OpenMP threads)
+        outcome = threads.in_own_thread(_guarded_choice, model, encoders, layers, batches, bits)
     return _record(model, {**outcome, "guard": True, "sentences": len(texts)})
 
 
@@ -160,6 +160,7 @@ def _choose(layers: list[_Layer], bits: int | None, recipe: _Recipe = RECIPES[0]
 # --- the guard -------------------------------------------------------------------------------------------------------
 
 
+@torch.inference_mode()
 def _guarded_choice(model, encoders, layers: list[_Layer], batches, bits) -> dict:
     """The first of ``RECIPES`` the guard passes with, else the last one with the costliest layers in float32 until
     it passes; the guard's figures and what was chosen."""

@@ -61,7 +61,14 @@ def unavailable_reasons(dtype: torch.dtype) -> list[str]:
 def _trial_failure(dtype: torch.dtype) -> str | None:
     """The error of one tiny packed GEMM with each epilogue in ``dtype``, or None when it runs: the capability
     queries are not the whole story (seen: a torch build whose bf16 query says yes and whose linear then raises "bf16
-    path needs avx_ne_convert or avx512bw")."""
+    path needs avx_ne_convert or avx512bw"). Run in a thread of its own (``fastbert.threads``: a fork later does not
+    inherit OpenMP threads)."""
+    from ..threads import in_own_thread
+
+    return in_own_thread(_trial, dtype)
+
+
+def _trial(dtype: torch.dtype) -> str | None:
     try:
         x, weight = torch.ones(3, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype)
         packed = pack(weight)

@@ -182,7 +182,14 @@ def unavailable_reasons() -> list[str]:
 
 @functools.cache
 def _trial_failure() -> str | None:
-    """The error of one tiny int8 GEMM with each epilogue, or None when they run and give the exact result."""
+    """The error of one tiny int8 GEMM with each epilogue, or None when they run and give the exact result (in a
+    thread of its own, as ``cpu_linear._trial_failure``)."""
+    from ..threads import in_own_thread
+
+    return in_own_thread(_trial)
+
+
+def _trial() -> str | None:
     try:
         x, weight = torch.ones(3, 16), torch.ones(8, 16)
         packed = quantize_weight(weight, 7)

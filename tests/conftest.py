@@ -24,6 +24,9 @@ import fastbert
 # processes they start share it, nothing outside is read or written, and it is removed when the session ends.
 _CACHE_DIR = tempfile.TemporaryDirectory(prefix="fastbert-cache-")
 os.environ["FASTBERT_CACHE_DIR"] = _CACHE_DIR.name
+# A fixed thread count: fastbert's CPU forwards otherwise follow the load of the machine (fastbert/threads.py), and
+# tests comparing two forwards bit for bit would depend on what else runs. tests/test_threads.py unsets it.
+os.environ.setdefault("FASTBERT_NUM_THREADS", str(torch.get_num_threads()))
 
 # dtype -> (atol of the 2x rule, max |fastbert - HF| in that dtype or None)
 MODEL_TOLERANCES = {
