@@ -53,6 +53,68 @@ def test_embeddings_match_sentence_transformers(checkpoint, reference, token_bud
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5)
 
 
+def test_every_length_matches_sentence_transformers(checkpoint):
+    """1 to ~600 tokens: past the model's max_seq_length (256 for all-MiniLM-L6-v2, where its tokenizer allows 512)
+    texts are truncated as sentence-transformers truncates them."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    rng = np.random.default_rng(7)
+    words = "the a cat dog sat ran on under mat table river city night light Zürich".split()
+    texts = [" ".join(rng.choice(words, n)) for n in (1, 2, 10, 100, 250, 254, 255, 256, 300, 500, 598)]
+    expected = sentence_transformers.SentenceTransformer(checkpoint, device="cpu").encode(texts, batch_size=4)
+    out = Embedder(checkpoint, token_budget=2048).embed(texts)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5)
+
+
+def test_a_bare_string_is_one_text(checkpoint, reference):
+    texts, expected = reference
+    out = Embedder(checkpoint).embed(texts[3])
+    assert out.shape == expected[3].shape
+    np.testing.assert_allclose(out, expected[3], rtol=0, atol=1e-5)
+
+
+def _sentence_folder(tmp_path, checkpoint, pooling: dict, normalize: bool, lowercase: bool = False,
+                     extra_module: str | None = None):
+    """A copy of the checkpoint's sentence-transformers folder with other pooling, normalization and lowercasing."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoint, folder)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 384, **pooling}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40, "do_lower_case": lowercase}))
+    modules = json.loads((folder / "modules.json").read_text())
+    modules = [m for m in modules if normalize or not m["type"].endswith("Normalize")]
+    if extra_module:
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": "3_Dense", "type": extra_module})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    return str(folder)
+
+
+@pytest.mark.parametrize("pooling, normalize, lowercase", [
+    ({"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True, "pooling_mode_mean_sqrt_len_tokens": True},
+     False, False),
+    ({"pooling_mode_weightedmean_tokens": True, "pooling_mode_lasttoken": True}, True, True),
+    ({"pooling_mode": "max"}, False, False),
+], ids=["cls+max+sqrt-len", "weightedmean+lasttoken-lowercase", "max"])
+def test_the_folders_pooling_normalization_and_length(tmp_path, checkpoint, pooling, normalize, lowercase):
+    """Every pooling mode sentence-transformers has (several at once are concatenated), with or without its
+    Normalize module, its max_seq_length and do_lower_case: the same vectors as its encode."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    folder = _sentence_folder(tmp_path, checkpoint, pooling, normalize, lowercase)
+    texts = corpus_texts(12, seed=5) + ["Mixed CASE Words In A Sentence ÜBER"]
+    expected = sentence_transformers.SentenceTransformer(folder, device="cpu").encode(texts, batch_size=4)
+    out = Embedder(folder, token_budget=300).embed(texts)
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
+
+
+def test_a_module_without_a_counterpart_is_refused(tmp_path, checkpoint):
+    folder = _sentence_folder(tmp_path, checkpoint, {"pooling_mode_mean_tokens": True}, True,
+                              extra_module="sentence_transformers.models.Dense")
+    with pytest.raises(ValueError, match="'sentence_transformers.models.Dense' .*3_Dense.* no fastbert counterpart"):
+        Embedder(folder).embed(["a"])
+
+
 def test_sub_batches_respect_the_budget_and_cover_every_row(checkpoint):
     embedder = Embedder(checkpoint, token_budget=100)
     lengths = [5, 50, 7, 101, 20, 20, 3]
@@ -116,7 +178,7 @@ def test_cls_pooling_without_normalization(checkpoint):
 
 
 @pytest.mark.parametrize("arguments, error, match", [
-    (dict(pooling="max"), ValueError, "pooling='max'"),
+    (dict(pooling="sum"), ValueError, "pooling='sum'"),
     (dict(token_budget=0), ValueError, "token_budget=0"),
     (dict(max_length=2.5), ValueError, "max_length=2.5"),
     (dict(model=3), TypeError, "model: expected a path"),

@@ -1,0 +1,144 @@
+"""What a sentence-transformers model folder says about turning token states into a sentence embedding, and that
+math, so that fastbert's ``Embedder`` and server give ``SentenceTransformer.encode``'s vectors without loading
+sentence-transformers.
+
+A sentence-transformers folder (local, or a Hub id in the cache) lists its modules in ``modules.json``:
+
+    Transformer   the HF model and tokenizer (in the folder itself, or a subfolder); ``sentence_bert_config.json``:
+                  ``max_seq_length`` (texts are truncated there, not at the tokenizer's limit), ``do_lower_case``
+    Pooling       ``config.json``: one or more of cls, max, mean, mean_sqrt_len_tokens, weightedmean, lasttoken
+                  (several are concatenated, in that order)
+    Normalize     L2 normalization
+
+``Sentence.read`` returns them; a folder with any other module (Dense, LayerNorm, ...) is refused with an error
+naming it. A plain transformers folder has no ``modules.json``: mean pooling and normalization, as all-MiniLM does.
+"""
+
+import dataclasses
+import json
+import os
+
+import torch
+
+# sentence-transformers' pooling modes, in the order it concatenates them.
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+# Its older configs: one flag per mode.
+_LEGACY_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+                 "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                 "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+_SUPPORTED = ("Transformer", "Pooling", "Normalize")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sentence:
+    """How a model folder makes sentence embeddings: ``transformer`` (the folder or Hub path of its HF model and
+    tokenizer), ``max_length`` (None: the tokenizer's and the model's limit), ``lowercase``, ``pooling`` (modes of
+    ``POOLING_MODES``), ``normalize``; ``sentence_transformers``: whether it came from a sentence-transformers
+    folder."""
+
+    transformer: str
+    max_length: int | None = None
+    lowercase: bool = False
+    pooling: tuple[str, ...] = ("mean",)
+    normalize: bool = True
+    sentence_transformers: bool = False
+
+    @classmethod
+    def read(cls, model: str) -> "Sentence":
+        """The folder's (or cached Hub model's) settings; a plain transformers model: mean pooling, normalized."""
+        modules_file = _file(model, "modules.json")
+        if modules_file is None:
+            return cls(model)
+        with open(modules_file) as f:
+            modules = json.load(f)
+        kinds = {}
+        for module in modules:
+            kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+            if kind not in _SUPPORTED:
+                raise ValueError(f"{model}: its sentence-transformers module {module.get('type')!r} "
+                                 f"({module.get('path') or 'the root'}) has no fastbert counterpart (fastbert "
+                                 f"reproduces {', '.join(_SUPPORTED)}); use fastbert.optimize(SentenceTransformer("
+                                 f"{model!r})).encode instead")
+            kinds[kind] = module.get("path", "")
+        if "Transformer" not in kinds:
+            raise ValueError(f"{model}: modules.json lists no Transformer module")
+        transformer = _join(model, kinds["Transformer"])
+        settings = _json(_file(transformer, "sentence_bert_config.json"))
+        pooling = ("cls",) if "Pooling" not in kinds else _pooling_modes(
+            _json(_file(_join(model, kinds["Pooling"]), "config.json")), model)
+        return cls(transformer, settings.get("max_seq_length"), bool(settings.get("do_lower_case", False)), pooling,
+                   "Normalize" in kinds, sentence_transformers=True)
+
+
+def _join(model: str, path: str) -> str:
+    if not path:
+        return model
+    if os.path.isdir(model):
+        return os.path.join(model, path)
+    local = _file(model, os.path.join(path, "config.json"))  # a Hub id: the subfolder in the cache
+    return os.path.dirname(local) if local else f"{model}/{path}"
+
+
+def _file(model: str, name: str) -> str | None:
+    """The path of ``name`` in a local folder, or in the cached (or downloadable) Hub model ``model``, or None."""
+    if os.path.isdir(model):
+        path = os.path.join(model, name)
+        return path if os.path.isfile(path) else None
+    from transformers.utils import cached_file
+
+    try:
+        return cached_file(model, name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+    except (OSError, ValueError):
+        return None
+
+
+def _json(path: str | None) -> dict:
+    if path is None:
+        return {}
+    with open(path) as f:
+        value = json.load(f)
+    return value if isinstance(value, dict) else {}
+
+
+def _pooling_modes(config: dict, model: str) -> tuple[str, ...]:
+    mode = config.get("pooling_mode")
+    if mode is not None:
+        modes = (mode,) if isinstance(mode, str) else tuple(mode)
+    else:
+        chosen = {_LEGACY_FLAGS[k] for k, v in config.items() if k in _LEGACY_FLAGS and v}
+        modes = tuple(m for m in POOLING_MODES if m in chosen)
+    unknown = [m for m in modes if m not in POOLING_MODES]
+    if unknown or not modes:
+        raise ValueError(f"{model}: pooling mode {unknown or 'none'} is not one of {', '.join(POOLING_MODES)}")
+    return modes
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> torch.Tensor:
+    """hidden [B, S, H], mask [B, S] (1 = real token) -> [B, H * len(modes)], as sentence-transformers' Pooling
+    computes it (sums in float32 for 16-bit states). Padding positions may hold anything (fastbert's are zeros)."""
+    accumulate = torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.dtype
+    outputs = []
+    for mode in modes:
+        if mode == "cls":  # the first real token (left padding included)
+            first = mask.to(torch.int).argmax(dim=1)
+            outputs.append(hidden[torch.arange(hidden.shape[0]), first])
+        elif mode == "max":
+            outputs.append(hidden.masked_fill(mask[..., None] == 0, float("-inf")).max(dim=1).values)
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            weights = mask[..., None].to(hidden.dtype)
+            total = (hidden * weights).sum(dim=1, dtype=accumulate)
+            count = weights.sum(dim=1, dtype=accumulate).clamp(min=1e-9)
+            outputs.append((total / (count if mode == "mean" else count.sqrt())).to(hidden.dtype))
+        elif mode == "weightedmean":  # weights 1, 2, ... from each row's first real token
+            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=accumulate).view(1, -1, 1)
+            positions = positions - mask.to(torch.int32).argmax(dim=1).view(-1, 1, 1)
+            weights = mask[..., None].to(accumulate) * positions
+            outputs.append(((hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)).to(hidden.dtype))
+        elif mode == "lasttoken":  # the last real token (right or left padding)
+            values, from_end = mask.flip(1).max(1)
+            last = hidden.shape[1] - 1 - torch.where(values == 0, hidden.shape[1] - 1, from_end)
+            outputs.append(hidden[torch.arange(hidden.shape[0]), last] * values[:, None].to(hidden.dtype))
+        else:
+            raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
+    return torch.cat(outputs, dim=-1)
