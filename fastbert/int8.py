@@ -14,6 +14,8 @@ runs on this CPU at all. ``fastbert.quantize`` (``quantize.py``) chooses the Lin
   GEMMs, said once.
 """
 
+import base64
+import hashlib
 import threading
 
 import torch
@@ -23,6 +25,8 @@ from . import announce, cpu, derived, dispatch, plan
 from .kernels import int8_linear
 
 ATTRIBUTE = "_fastbert_int8"  # on a chosen nn.Linear: its Choice
+CONFIG_KEY = "fastbert_int8"  # in an encoder's config: its Choices, saved and loaded with the checkpoint
+CONFIG_VERSION = 1
 
 # CPUs that sum u8 x s8 products in int32 (VNNI, AMX) multiply 8-bit weights exactly; the others saturate (module
 # docstring of kernels/int8_linear.py) and get 7-bit weights.
@@ -54,6 +58,72 @@ def choose(linear: nn.Linear, choice: Choice | None) -> None:
 
 def chosen(linear: nn.Module) -> Choice | None:
     return linear.__dict__.get(ATTRIBUTE)
+
+
+# --- choices that travel with the checkpoint ------------------------------------------------------------------------
+# An encoder's choices go into its config (``config.fastbert_int8``), which every way of saving a model writes
+# (``save_pretrained`` of the encoder or of a head around it, ``SentenceTransformer.save``, the Hub) and transformers
+# reads back as an attribute it ignores. The fp32 weights stay the checkpoint's; the config holds, per Linear (by
+# its name under the encoder), the per-token flag and the SmoothQuant divisor (float32, base64), the weight bits, and
+# a digest of the weights the guard judged, so a decision is never applied to other weights.
+
+
+def weights_digest(linears: dict[str, nn.Linear]) -> str:
+    """A digest of sampled words of each Linear's weight (as ``derived.fingerprint`` samples them), by name."""
+    digest = hashlib.sha256()
+    for name in sorted(linears):
+        digest.update(name.encode() + bytes(derived._sampled(linears[name].weight.detach().float().contiguous())))
+    return digest.hexdigest()[:32]
+
+
+def to_config(encoder: nn.Module, bits: int, meta: dict) -> None:
+    """Write the choices of ``encoder``'s Linears, with ``meta`` (recipe, guard figures), into its config."""
+    linears, entries = {}, {}
+    for name, module in encoder.named_modules():
+        choice = chosen(module)
+        if choice is None:
+            continue
+        linears[name] = module
+        entry = {"per_token": choice.per_token}
+        if choice.smooth is not None:
+            entry["smooth"] = base64.b64encode(choice.smooth.float().contiguous().numpy().tobytes()).decode("ascii")
+        entries[name] = entry
+    if not entries:
+        encoder.config.__dict__.pop(CONFIG_KEY, None)
+        return
+    setattr(encoder.config, CONFIG_KEY, {"version": CONFIG_VERSION, **meta, "weight_bits": bits,
+                                         "weights": weights_digest(linears), "linears": entries})
+
+
+def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Linear, Choice] | None, str]:
+    """(the Linears and Choices ``encoder``'s config holds, or None; why not, when there is a saved decision that
+    does not fit this model or CPU)."""
+    saved = getattr(encoder.config, CONFIG_KEY, None)
+    if saved is None:
+        return None, ""
+    modules = dict(encoder.named_modules())
+    try:
+        if saved["version"] != CONFIG_VERSION:
+            return None, f"it was saved by another fastbert (format {saved['version']})"
+        if saved["weight_bits"] != bits:
+            return None, (f"it was judged with {saved['weight_bits']}-bit weights and this CPU runs {bits}-bit ones "
+                          "(run fastbert.quantize(model) again here)")
+        choices, named = {}, {}
+        for name, entry in saved["linears"].items():
+            linear = modules.get(name)
+            if type(linear) is not nn.Linear:
+                return None, f"the model has no nn.Linear {name!r}"
+            smooth = None
+            if "smooth" in entry:
+                smooth = torch.frombuffer(bytearray(base64.b64decode(entry["smooth"])), dtype=torch.float32)
+                if smooth.shape != (linear.in_features,):
+                    return None, f"the divisor of {name!r} has {smooth.numel()} values, not {linear.in_features}"
+            choices[linear], named[name] = Choice(bits, smooth, bool(entry["per_token"])), linear
+        if weights_digest(named) != saved["weights"]:
+            return None, "the weights differ from those it was judged on (run fastbert.quantize(model) again)"
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        return None, f"it cannot be read ({type(error).__name__}: {error})"
+    return choices, ""
 
 
 # --- the CPU --------------------------------------------------------------------------------------------------------

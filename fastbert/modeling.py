@@ -112,6 +112,16 @@ class FusedModel(layers.Fused):
         for the architecture (GTE's fused ``qkv_proj``, renamed keys), which it skips for classes defined elsewhere."""
         return cls.hf_class.is_custom_code()
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' ``from_pretrained``; an int8 decision saved with the checkpoint (``fastbert.quantize``) is
+        applied once the weights are loaded."""
+        loaded = super().from_pretrained(*args, **kwargs)  # (a tuple with output_loading_info=True)
+        from .quantize import apply_saved  # (quantize builds on the model classes)
+
+        apply_saved(loaded[0] if isinstance(loaded, tuple) else loaded)
+        return loaded
+
     def __init__(self, config, *args, unpad: bool = True, **kwargs):
         super().__init__(config, *args, **kwargs)
         if why_not_accelerated(config) is None:  # as optimize() does: anything else keeps transformers' modules

@@ -45,9 +45,14 @@ def optimize(model: nn.Module) -> nn.Module:
     return model
 
 
-def accelerate(model: nn.Module) -> tuple[list[str], list[str]]:
-    """``optimize``'s work, reported: (the encoders accelerated, those left as transformers')."""
+def accelerate(model: nn.Module, apply_saved_int8: bool = True) -> tuple[list[str], list[str]]:
+    """``optimize``'s work, reported: (the encoders accelerated, those left as transformers'). An int8 decision
+    saved with the checkpoint by ``fastbert.quantize`` is applied (``apply_saved_int8``)."""
     accelerated, left, heads = _swap(model)
+    if apply_saved_int8 and accelerated:
+        from .quantize import apply_saved  # (quantize builds on optimize)
+
+        apply_saved(model)
     if accelerated or heads:
         report = (f"{type(model).__name__}: accelerated {', '.join(accelerated) or 'no encoder'}"
                   + (f" and {heads} MLM head transform(s)" if heads else ""))

@@ -230,7 +230,7 @@ def test_guard_passes_on_minilm(int8_on, minilm, caplog):
     report = fastbert.info()["int8"]["models"][-1]
     assert report["outcome"] == "int8" and report["guard"] and not report["float32_layers"], report
     assert report["mean_cosine"] >= 0.99 and report["p1_cosine"] >= 0.98
-    assert "fastbert.quantize" in caplog.text and "mean_cosine" in caplog.text
+    assert "SentenceTransformer runs its encoder GEMMs in int8" in caplog.text and "mean cosine" in caplog.text
     a, b = reference.encode(HELD_OUT, convert_to_tensor=True), model.encode(HELD_OUT, convert_to_tensor=True)
     assert int8_caches(model) > 0
     assert cosines(a, b).min() > 0.98 and cosines(a, b).mean() > 0.99
@@ -296,8 +296,9 @@ def test_guard_needs_a_tokenizer(int8_on, small_bert_config):
 
 
 def test_state_dict_and_save_pretrained_unchanged(int8_on, small_bert_config, tmp_path):
-    """Quantized weights are caches: the state_dict is HF's fp32 one, saved and reloaded as such, and quantize()
-    again on the reloaded model gives the same outputs."""
+    """Quantized weights are caches: the state_dict is HF's fp32 one, saved and reloaded as such (transformers
+    reloads a float32 model), and quantize() again on the reloaded model gives the same outputs. (The decision that
+    travels in the config: tests/test_int8_saved.py.)"""
     torch.manual_seed(0)
     hf = transformers.BertModel(small_bert_config()).eval()
     q = fastbert.quantize(copy.deepcopy(hf), guard=False)
@@ -307,7 +308,7 @@ def test_state_dict_and_save_pretrained_unchanged(int8_on, small_bert_config, tm
     assert q.state_dict().keys() == hf.state_dict().keys()
     assert all(torch.equal(v, hf.state_dict()[k]) for k, v in q.state_dict().items())
     q.save_pretrained(tmp_path)
-    reloaded = fastbert.BertModel.from_pretrained(tmp_path).eval()
+    reloaded = transformers.BertModel.from_pretrained(tmp_path).eval()
     assert not any(int8.chosen(m) for m in reloaded.modules())
     fastbert.quantize(reloaded, guard=False)
     with torch.inference_mode():

@@ -1,0 +1,310 @@
+"""The accuracy guard of ``fastbert.quantize``: int8 against float32 on real sentences, and the ladder of recipes it
+climbs until they agree.
+
+The guard runs its texts (default: ``data/int8_guard.txt``, 59 sentences in several languages, code and log lines,
+5-128 tokens; sentences mostly unknown to the tokenizer are left out, and texts that are mostly unknown tokens are
+refused: they would compare nothing but the unknown token's embedding) through the float32 model and the int8 one
+and compares, per sentence, the mean-pooled embeddings of every encoder (cosine) and, for a classification head, its
+logits (argmax agreement, cosine). It passes at mean cosine >= 0.99, 1st percentile >= 0.98, agreement >= 99 %. It
+tries, in turn (``RECIPES``):
+
+a. one activation scale per GEMM call (bias, activation and residual in oneDNN's epilogue);
+b. SmoothQuant: each GEMM input x divided per channel by s_j = max|x_j|^0.5 / max|W_j|^0.5 (max over the sentences
+   and the Linears sharing that input) and W multiplied by it, so outlier channels of the activation move into the
+   weight, which has a scale per row; and one scale per token for the input of the MLP's output GEMM (after GELU:
+   the heaviest tail);
+c. SmoothQuant and per-token scales for every GEMM;
+
+then keeps the layers whose int8 costs most (each measured alone) in float32, one at a time; and if every layer but
+one had to, leaves the model float32, with a warning.
+"""
+
+import collections
+import inspect
+import os
+import sys
+import typing
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from . import announce, int8, modeling, threads
+
+# What the int8 model must keep of the float32 one on the guard's sentences.
+MIN_MEAN_COSINE = 0.99
+MIN_P1_COSINE = 0.98
+MIN_HEAD_AGREEMENT = 0.99
+SMOOTH_ALPHA = 0.5
+_GUARD_TEXTS = os.path.join(os.path.dirname(__file__), "data", "int8_guard.txt")
+# A sentence with more unknown tokens than this share checks nothing for the model's vocabulary.
+MAX_UNKNOWN = 0.5
+_BATCH = 16
+
+
+class _Layer(typing.NamedTuple):
+    name: str
+    linears: list[nn.Linear]  # every nn.Linear of the layer
+    mlp_out: list[nn.Linear]  # those reading the MLP's activation (input width != hidden): the heaviest-tailed input
+
+
+def layers_of(encoder: modeling.FusedModel) -> list[_Layer]:
+    """The encoder's layers: the module list holding ``num_hidden_layers`` of them, whatever the family calls it."""
+    count, hidden = encoder.config.num_hidden_layers, encoder.config.hidden_size
+    for name, module in encoder.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count:
+            layers = []
+            for i, layer in enumerate(module):
+                linears = [m for m in layer.modules() if type(m) is nn.Linear]
+                mlp_out = [m for m in linears if m.in_features != hidden]
+                layers.append(_Layer(f"{type(encoder).__name__}.{name}.{i}", linears, mlp_out))
+            return layers
+    raise ValueError(f"no list of {count} layers found in {type(encoder).__name__}")
+
+
+class _Recipe(typing.NamedTuple):
+    name: str
+    smooth: bool  # SmoothQuant divisors from the first int8 run's activation ranges
+    per_token: str  # which inputs get one scale per token: "none", "mlp_out" or "all"
+
+
+# Tried in turn until the guard passes, cheapest first: one scale per GEMM call keeps bias, activation and residual
+# in oneDNN's epilogue; per-token scales cost an elementwise pass or two after the GEMM. (all-MiniLM-L6-v2 on the
+# guard's sentences, 8-bit weights: per call 0.9916 mean / 0.9604 1st-percentile cosine; with SmoothQuant and per-token
+# scales on the MLP's output GEMM 0.9982 / 0.9903; per token everywhere 0.9985 / 0.9910.)
+RECIPES = (
+    _Recipe("per-call activation scales", False, "none"),
+    _Recipe("SmoothQuant, per-token scales into the MLP's output GEMM", True, "mlp_out"),
+    _Recipe("SmoothQuant, per-token scales everywhere", True, "all"),
+)
+
+
+def choose(layers: list[_Layer], bits: int | None, recipe: _Recipe = RECIPES[0], smooth: dict | None = None,
+            float32: frozenset = frozenset()) -> None:
+    """Every Linear of ``layers`` in int8 with ``bits`` as ``recipe`` says (None: all float32), ``smooth[linear]`` its
+    divisor, the layers named in ``float32`` left out."""
+    for layer in layers:
+        for linear in layer.linears:
+            choice = None
+            if bits is not None and layer.name not in float32:
+                per_token = recipe.per_token == "all" or (recipe.per_token == "mlp_out" and linear in layer.mlp_out)
+                choice = int8.Choice(bits, (smooth or {}).get(linear) if recipe.smooth else None, per_token)
+            int8.choose(linear, choice)
+
+
+# --- the guard -------------------------------------------------------------------------------------------------------
+
+
+def run(model, encoders, layers: list[_Layer], bits: int, texts: list[str] | None, tokenizer,
+        show_progress_bar: bool | None) -> dict:
+    """Choose int8 for ``layers`` as the guard allows (module docstring), in a thread of its own (a process forked
+    afterwards keeps its OpenMP threads); returns what was chosen, with the guard's figures."""
+    tokenizer = _tokenizer(model, tokenizer, encoders)
+    texts, left_out = _usable_texts(tokenizer, texts)
+    batches = _batches(tokenizer, texts, encoders)
+    if show_progress_bar is None:
+        show_progress_bar = sys.stderr.isatty()
+    with _evaluating(model), _Progress(show_progress_bar, len(batches)) as progress:
+        outcome = threads.in_own_thread(_ladder, model, encoders, layers, batches, bits, progress)
+    return {**outcome, "sentences": len(texts), **({"left_out_unknown": left_out} if left_out else {})}
+
+
+@torch.inference_mode()
+def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress) -> dict:
+    """The first of ``RECIPES`` the guard passes with, else the last one with the costliest layers in float32 until
+    it passes; the guard's figures and what was chosen."""
+    def outputs():
+        return _outputs(model, encoders, batches, progress)
+
+    choose(layers, None)
+    reference = outputs()
+    smooth = None
+    for recipe in RECIPES:
+        choose(layers, bits, recipe, smooth)
+        with int8.recording() as absmax:  # (the GEMM inputs' ranges, for SmoothQuant)
+            figures = _compare(reference, outputs())
+        smooth = smooth or _smoothing(layers, absmax)
+        if _passes(figures):
+            return {"outcome": "int8", "recipe": recipe.name, "float32_layers": [], **figures}
+    float32, costs = [], {}
+    names = [layer.name for layer in layers]
+    progress.more(2 * len(names) - 1)
+    for name in names:  # each layer alone in int8: what it costs
+        choose(layers, bits, recipe, smooth, frozenset(n for n in names if n != name))
+        costs[name] = 1.0 - _compare(reference, outputs())["mean_cosine"]
+    for name in sorted(costs, key=costs.get, reverse=True)[:-1]:
+        float32.append(name)
+        choose(layers, bits, recipe, smooth, frozenset(float32))
+        figures = _compare(reference, outputs())
+        if _passes(figures):
+            return {"outcome": "int8", "recipe": recipe.name, "float32_layers": float32, **figures}
+    choose(layers, None)
+    announce.fallback(f"quantize left {type(model).__name__} in float32: int8 GEMMs changed its embeddings beyond "
+                      "the guard's limits (SmoothQuant and per-token scales included) unless every layer but one "
+                      "stayed float32")
+    return {"outcome": "float32", "why": "the guard failed", "recipe": recipe.name, **figures}
+
+
+def _smoothing(layers: list[_Layer], absmax: dict) -> dict:
+    """{linear: s [in]}: SmoothQuant's s_j = max|x_j|^a / max|W_j|^(1 - a), shared by Linears reading one input (q,
+    k and v; up and gate), which the stacked GEMMs quantize once."""
+    smooth = {}
+    for layer in layers:
+        groups = collections.defaultdict(list)
+        for linear in layer.linears:
+            if linear in absmax:  # (Linears reading one tensor saw the very same values)
+                groups[tuple(absmax[linear].tolist())].append(linear)
+        for members in groups.values():
+            x_max = absmax[members[0]].float()
+            w_max = torch.stack([m.weight.detach().abs().amax(dim=0).float() for m in members]).amax(dim=0)
+            s = x_max.clamp_min(1e-5) ** SMOOTH_ALPHA / w_max.clamp_min(1e-5) ** (1 - SMOOTH_ALPHA)
+            s = torch.where(x_max > 0, s, torch.ones_like(s)).clamp(1e-3, 1e3)
+            smooth.update({m: s for m in members})
+    return smooth
+
+
+def _outputs(model, encoders, batches, progress) -> dict[str, torch.Tensor]:
+    """{"embeddings": [sentences, sum of widths] mean-pooled, per encoder side by side; "logits": a classification
+    head's logits at what it classifies, [items, labels]} (no "logits" without such a head)."""
+    head = _classification_head(model, encoders)
+    pooled, logits = [], []
+    for batch in batches:
+        mask = batch["attention_mask"].unsqueeze(-1).float()  # [B, S, 1]
+        states = [e(**_accepted(e, batch)).last_hidden_state for e in encoders]  # [B, S, H] each
+        pooled.append(torch.cat([(s * mask).sum(1) / mask.sum(1).clamp_min(1) for s in states], dim=-1))
+        if head is not None:
+            out = head(**_accepted(head, batch)).logits
+            logits.append(out if out.dim() == 2 else out[batch["attention_mask"].bool()])  # [items, labels]
+        progress.update()
+    outputs = {"embeddings": torch.cat(pooled)}
+    if logits:
+        outputs["logits"] = torch.cat(logits)
+    return outputs
+
+
+def _classification_head(model, encoders):
+    """The outermost transformers head above the encoders whose logits are labels (sequence, token, multiple
+    choice classification), or None."""
+    for module in model.modules():
+        if (isinstance(module, PreTrainedModel) and not isinstance(module, modeling.FusedModel)
+                and any(e is m for m in module.modules() for e in encoders)
+                and type(module).__name__.endswith(("ForSequenceClassification", "ForTokenClassification"))):
+            return module
+    return None
+
+
+def _accepted(module: nn.Module, batch: dict) -> dict:
+    names = getattr(module, "_hf_parameters", None) or inspect.signature(module.forward).parameters
+    return {k: v for k, v in batch.items() if k in names}
+
+
+def _compare(reference: dict, quantized: dict) -> dict:
+    cosine = torch.nn.functional.cosine_similarity(reference["embeddings"], quantized["embeddings"], dim=-1)
+    figures = {"mean_cosine": round(cosine.mean().item(), 5), "p1_cosine": round(cosine.quantile(0.01).item(), 5),
+               "min_cosine": round(cosine.min().item(), 5)}
+    if "logits" in reference:
+        agree = (reference["logits"].argmax(-1) == quantized["logits"].argmax(-1)).float().mean()
+        head_cosine = torch.nn.functional.cosine_similarity(reference["logits"], quantized["logits"], dim=-1)
+        figures.update(head_agreement=round(agree.item(), 5), head_cosine=round(head_cosine.mean().item(), 5))
+    return figures
+
+
+def _passes(figures: dict) -> bool:
+    return (figures["mean_cosine"] >= MIN_MEAN_COSINE and figures["p1_cosine"] >= MIN_P1_COSINE
+            and figures.get("head_agreement", 1.0) >= MIN_HEAD_AGREEMENT)
+
+
+# --- inputs ----------------------------------------------------------------------------------------------------------
+
+
+def _usable_texts(tokenizer, texts: list[str] | None) -> tuple[list[str], int]:
+    """(the texts the guard runs, how many of the shipped ones were left out as mostly unknown tokens). The user's
+    texts are checked as they are: mostly unknown tokens is an error, since the guard would compare nothing but the
+    unknown token's embedding."""
+    shipped = texts is None
+    if shipped:
+        with open(_GUARD_TEXTS, encoding="utf-8") as f:
+            texts = [line.strip() for line in f if line.strip()]
+    elif isinstance(texts, str) or not all(isinstance(t, str) and t.strip() for t in texts) or not list(texts):
+        raise ValueError("texts must be a non-empty list of non-empty strings")
+    texts = list(texts)
+    unknown_id = getattr(tokenizer, "unk_token_id", None)
+    if unknown_id is None:  # (byte-level vocabularies have no unknown token)
+        return texts, 0
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    shares = [sum(i == unknown_id for i in row) / max(1, len(row)) for row in ids]
+    kept = [t for t, share in zip(texts, shares) if share <= MAX_UNKNOWN] if shipped else texts
+    unknown = sum(share * len(row) for share, row in zip(shares, ids)) / max(1, sum(len(row) for row in ids))
+    if not kept or (not shipped and unknown > MAX_UNKNOWN):
+        raise ValueError(f"texts: {unknown:.0%} of their tokens are unknown to the model's tokenizer "
+                         f"({tokenizer.unk_token}): the guard would compare nothing but that token's embedding; pass "
+                         "texts= in the model's language(s), or guard=False to skip the check")
+    return kept, len(texts) - len(kept)
+
+
+def _tokenizer(model, tokenizer, encoders):
+    if tokenizer is not None:
+        return tokenizer
+    own = getattr(model, "tokenizer", None)  # SentenceTransformer, CrossEncoder
+    if own is not None and callable(own):
+        return own
+    path = encoders[0].config._name_or_path
+    if path:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            pass
+    raise ValueError("fastbert.quantize checks int8 against float32 on real sentences and needs the model's "
+                     "tokenizer: pass tokenizer=..., or guard=False to skip the check")
+
+
+def _batches(tokenizer, texts: list[str], encoders) -> list[dict]:
+    limit = min([128] + [e.config.max_position_embeddings for e in encoders
+                         if getattr(e.config, "max_position_embeddings", None)])
+    return [dict(tokenizer(texts[i:i + _BATCH], padding=True, truncation=True, max_length=limit,
+                           return_tensors="pt"))
+            for i in range(0, len(texts), _BATCH)]
+
+
+class _Progress:
+    """A tqdm bar over the guard's forward batches (or nothing), its total grown when the ladder climbs."""
+
+    def __init__(self, shown: bool, batches: int):
+        self.bar, self.batches = None, batches
+        if shown:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=batches * (1 + len(RECIPES)), desc="fastbert.quantize guard", unit="batch")
+
+    def update(self):
+        if self.bar is not None:
+            self.bar.update()
+
+    def more(self, passes: int):
+        if self.bar is not None:
+            self.bar.total += passes * self.batches
+            self.bar.refresh()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _evaluating:
+    """Every module in eval mode inside (dropout would blur the comparison), as it was after."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.training = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        for module, training in self.training.items():
+            module.training = training
