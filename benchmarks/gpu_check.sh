@@ -287,7 +287,7 @@ kernels() {  # kernels fp16|bf16 TORCH_DTYPE
 
 if [ "$part" = 1 ]; then
   install
-  step info "$py" -m fastbert.info
+  step info "$py" -m fastbert.info --json
   step smoke "$py" benchmarks/gpu_smoke.py "${smoke_args[@]}" --dtypes fp16,bf16
   step tests "$py" -m pytest tests "${pytest_opts[@]}"
   step profile "$py" benchmarks/gpu_profile.py "${profile_args[@]}" --out "$work/profile"

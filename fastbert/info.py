@@ -1,7 +1,9 @@
-"""What fastbert runs here: versions, the native extension's build, and the backend of each op with the reasons
-faster ones were skipped. ``fastbert.info()`` returns it as a dict; ``python -m fastbert.info`` prints it.
+"""What fastbert runs here: versions, the native extension's build, the CPU and its threads, and the backend of each
+op with the reasons faster ones were skipped. ``fastbert.info()`` returns it as a dict; ``python -m fastbert.info``
+prints a short summary of it (``--json``: the dict).
 """
 
+import argparse
 import importlib.metadata
 import json
 import platform
@@ -79,6 +81,55 @@ def info() -> dict:
     }
 
 
+def summary(report: dict) -> str:
+    """``info()``'s dict as a few lines a person reads."""
+    versions = report["versions"]
+    cpu_info, threads_info = report["cpu"], report["threads"]
+    flags = [flag for flag, present in cpu_info["flags"].items() if present]
+    lines = [f"fastbert {versions['fastbert']}: torch {versions['torch']}, transformers {versions['transformers']}, "
+             f"triton {versions['triton'] or 'not installed'}, Python {versions['python']}",
+             f"CPU: {cpu_info['model']}, {cpu_info['cores']} CPUs ({' '.join(flags) or 'no AVX2'})",
+             f"threads: {threads_info['limit']} ({threads_info['why']}; torch's: {threads_info['torch']})"
+             + ("; fewer while other processes keep the CPUs busy" if threads_info["adapts_to_load"] else "")]
+    if report["ext_error"]:
+        lines.append(f"extension: not loaded: {report['ext_error']}")
+    else:
+        cuda = (f"CUDA {report['ext_cuda_version']} kernels for {', '.join(report['cuda_archs'])}"
+                if report["ext_cuda"] else f"no CUDA kernels ({report['ext_cuda_skipped_because']})")
+        lines.append(f"extension fastbert._C: CPU kernels{' with OpenMP' if report['ext_openmp'] else ''}; {cuda}")
+    lines.append(f"GPU: {report['device']}" if report["device"] != "cpu" else "GPU: none (torch sees no CUDA device)")
+    lines.append(f"backends for {report['device']} {report['dtype']}"
+                 + (f" (FASTBERT_BACKEND={report['requested_backend']})" if report["requested_backend"] != "auto"
+                    else "") + ":")
+    width = max(len(op) for op in report["backends"])
+    for op, backend in report["backends"].items():
+        skipped = [r for r in report["reasons"][op] if not r.startswith("triton: on CPU")]
+        lines.append(f"  {op:<{width}}  {backend}" + (f"  ({'; '.join(skipped)})" if skipped else ""))
+    if report["device"] == "cpu" and not report["triton_interpret"]:
+        lines.append("  (Triton kernels run on GPUs; on the CPU torch's ops and fastbert's C++ kernels are the "
+                     "fast path)")
+    int8_report = report["int8"]
+    lines.append(f"int8 (fastbert.quantize): {'runs' if int8_report['available'] else 'does not run'} here, "
+                 f"{int8_report['isa']}" + ("" if int8_report["available"] else
+                                            f" ({'; '.join(int8_report['reasons'])})"))
+    for title, key in (("fallbacks so far", "fallbacks"), ("notes so far", "notes")):
+        if report[key]:
+            lines.append(f"{title}:")
+            lines += [f"  - {message} (x{count})" for message, count in report[key].items()]
+    if report["optimized"]:
+        lines.append("optimized: " + "; ".join(report["optimized"]))
+    lines.append("details: python -m fastbert.info --json")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fastbert.info", description="What fastbert runs here, and why.")
+    parser.add_argument("--json", action="store_true", help="the whole report as JSON (fastbert.info()'s dict)")
+    args = parser.parse_args(argv)
+    report = info()
+    print(json.dumps(report, indent=2) if args.json else summary(report))
+
+
 class _CallableModule(types.ModuleType):
     """Lets ``fastbert.info()`` call this module, which ``python -m fastbert.info`` runs."""
 
@@ -89,4 +140,4 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
-    print(json.dumps(info(), indent=2))
+    main()
