@@ -30,7 +30,7 @@ def optimize(model: nn.Module) -> nn.Module:
 
     Works on the ``*For...`` heads, sentence-transformers ``SentenceTransformer`` and ``CrossEncoder`` models, PEFT
     models, or a bare ``*Model``. Weights are shared, outputs unchanged (up to kernel rounding; zeros at padding
-    positions, see the README). What was swapped is logged on the ``fastbert`` logger (INFO) and listed in
+    positions, see docs/usage.md). What was swapped is logged on the ``fastbert`` logger (INFO) and listed in
     ``fastbert.info()["optimized"]``; an encoder left as transformers' is announced with the reason; finding no
     encoder at all is warned, naming the classes seen.
     """

@@ -319,7 +319,7 @@ def test_weights_updated_after_forward(bert_trio, assert_matches_hf, update):
             with torch.no_grad():
                 value.weight.copy_(new)
         elif update == "data-in-place":
-            # Writes through .data bypass PyTorch's version counter: fastbert cannot see them (README) and is told.
+            # Writes through .data bypass PyTorch's version counter: fastbert cannot see them (docs/usage.md) and is told.
             value.weight.data.copy_(new)
             fastbert.clear_caches(model)
         else:
