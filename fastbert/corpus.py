@@ -46,12 +46,14 @@ class Embedder:
         truncated (default: the folder's ``max_seq_length``, else the tokenizer's limit, at most the model's position
         table). token_budget: the most padded tokens (rows x longest row) per forward. text_column / output_column:
         the batch columns read and written by ``__call__``. device: where the model runs in each worker (``"cuda"``
-        on GPU workers).
+        on GPU workers). show_progress_bar: on ``embed`` calls (default: for ``PROGRESS_TEXTS`` texts or more when
+        stderr is a terminal).
     """
 
     def __init__(self, model: str | os.PathLike, *, pooling: str | None = None, normalize: bool | None = None,
                  max_length: int | None = None, token_budget: int = 16384, text_column: str = "text",
-                 output_column: str = "embedding", device: str | torch.device = "cpu"):
+                 output_column: str = "embedding", device: str | torch.device = "cpu",
+                 show_progress_bar: bool | None = None):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model: expected a path or Hub id (str or os.PathLike), got {type(model).__name__}")
         if pooling is not None and pooling not in POOLING_MODES:
@@ -63,6 +65,7 @@ class Embedder:
         self.max_length, self.token_budget = max_length, token_budget
         self.text_column, self.output_column = text_column, output_column
         self.device = torch.device(device)
+        self.show_progress_bar = show_progress_bar
         self._loaded = None  # (tokenizer, model, Sentence with every setting resolved) once this process loaded them
         self._lock = threading.Lock()
 
@@ -95,13 +98,12 @@ class Embedder:
         it for per-worker steps, e.g. ``fastbert.cuda_graphs(model)`` on GPU workers (graphs are never pickled)."""
         return model
 
-    def embed(self, texts: str | Sequence[str] | np.ndarray, show_progress_bar: bool | None = None) -> np.ndarray:
+    def embed(self, texts: str | Sequence[str] | np.ndarray) -> np.ndarray:
         """Embeddings of ``texts`` (a sequence or 1-D array of str), float32 [len(texts), dim], in their order; of
         one str, float32 [dim] (as ``SentenceTransformer.encode``). The ``make_predict_fn`` result for Spark's
-        ``predict_batch_udf``. show_progress_bar: None shows one for ``PROGRESS_TEXTS`` texts or more when stderr is
-        a terminal."""
+        ``predict_batch_udf`` (which reads its inputs from this signature: one argument)."""
         if isinstance(texts, str):
-            return self.embed([texts], show_progress_bar)[0]
+            return self.embed([texts])[0]
         texts = list(texts.tolist() if isinstance(texts, np.ndarray) else texts)
         for i, text in enumerate(texts):
             if not isinstance(text, str):
@@ -113,6 +115,7 @@ class Embedder:
             return np.zeros((0, model.config.hidden_size * len(sentence.pooling)), dtype=np.float32)
         ids = tokenizer(texts, truncation=True, max_length=sentence.max_length)["input_ids"]  # unpadded
         groups = self._sub_batches([len(row) for row in ids])
+        show_progress_bar = self.show_progress_bar
         if show_progress_bar is None:
             show_progress_bar = len(texts) >= PROGRESS_TEXTS and sys.stderr.isatty()
         if show_progress_bar:

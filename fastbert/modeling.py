@@ -182,6 +182,40 @@ class FusedModel(layers.Fused):
         with int8.counting(layout), _cpu_threads(word.device):
             return self._finish(self._encode(indices, layout, embeds, keep), kwargs)
 
+    def forward_packed(self, input_ids: torch.Tensor, seqlens) -> torch.Tensor:
+        """Sequences back to back, no padding anywhere: input_ids [N] int (sequence b is the next ``seqlens[b]`` ids,
+        each at least 1) -> the last hidden state [N, hidden] of each token, for inference. Token types are 0 and
+        positions are numbered as the family numbers a sequence of its own (``packed_position_ids``). What a server
+        runs: requests' token ids go in as they are, and no [batch, seq_len] tensor is ever built."""
+        seqlens = tuple(int(n) for n in seqlens)
+        if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be a 1-D int64 tensor of token ids, got {tuple(input_ids.shape)} "
+                             f"{input_ids.dtype}")
+        if not seqlens or min(seqlens) < 1 or sum(seqlens) != input_ids.shape[0]:
+            raise ValueError(f"seqlens must be >= 1 each and add up to the {input_ids.shape[0]} ids, got "
+                             f"{list(seqlens)[:8]}{'...' if len(seqlens) > 8 else ''}")
+        why = self._why_transformers({})
+        if why is not None:
+            raise ValueError(f"forward_packed runs fastbert's fused forward only, and {why} needs transformers' "
+                             "(call the model on a padded batch instead)")
+        word = self.get_input_embeddings().weight
+        plan = plans.for_model(self, word.device, word.dtype, False)
+        with plans.active(plan):
+            ids = input_ids.long().cpu()
+            lengths = torch.tensor(seqlens)
+            starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # [N]: its sequence's start
+            positions = self.packed_position_ids(ids, starts)
+            token_types = torch.zeros_like(ids)
+            indices, _ = validation.flat_indices(ids[None], token_types[None], positions[None], self._limits(),
+                                                 "positions (numbered within each sequence)")
+            layout = padding.packed_layout(seqlens, word.device)
+            if plans.decided(self, "bucket_rows", self._buckets_rows):
+                indices, layout = padding.with_spare_rows(indices, layout, padding.bucket_rows(layout.tokens))
+            indices = padding.to_device(indices, word.device)
+            with int8.counting(layout), _cpu_threads(word.device):
+                x, _ = self.encode(self.embed(indices, None), indices, layout, None)
+        return x[: layout.tokens]
+
     def _encode(self, indices: torch.Tensor, layout: padding.TokenLayout, inputs_embeds: torch.Tensor | None = None,
                 keep: set[int] | None = None):
         """indices [3, N] (``_prepare``), inputs_embeds [N, width] or None -> ``output_class`` with [B, S, hidden]
@@ -259,10 +293,15 @@ class FusedModel(layers.Fused):
             position_ids, positions_name = self.position_ids(input_ids, batch, seq_len, device)
         if input_ids is None:
             input_ids = torch.zeros_like(token_type_ids)
-        positions = embeddings.table("position")  # (none in rotary models: any position is valid)
-        limits = [word.shape[0], 1 if token_types is None else token_types.weight.shape[0],
-                  validation.UNBOUNDED if positions is None else positions.weight.shape[0]]
-        return (input_ids, token_type_ids, position_ids.expand(batch, seq_len)), limits, positions_name
+        return (input_ids, token_type_ids, position_ids.expand(batch, seq_len)), self._limits(), positions_name
+
+    def _limits(self) -> list[int]:
+        """The sizes of the word, token-type and position tables the ids index (a family without token types: 1;
+        rotary positions index no table: ``validation.UNBOUNDED``)."""
+        embeddings = self.embeddings
+        token_types, positions = embeddings.table("token_type"), embeddings.table("position")
+        return [embeddings.table("word").weight.shape[0], 1 if token_types is None else token_types.weight.shape[0],
+                validation.UNBOUNDED if positions is None else positions.weight.shape[0]]
 
     def _read_back(self, mask: torch.Tensor) -> torch.Tensor:
         """What packing needs on the host, read back with the range check: [B] sequence lengths, then, when the
@@ -312,6 +351,11 @@ class FusedModel(layers.Fused):
     def position_ids(self, input_ids, batch: int, seq_len: int, device) -> tuple[torch.Tensor, str]:
         """Positions when ``position_ids`` is not given: ([1, S] or [B, S] int64, what an error calls them)."""
         return torch.arange(seq_len, device=device).unsqueeze(0), "position_ids (0 .. seq_len - 1)"
+
+    def packed_position_ids(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """``position_ids`` of packed sequences: input_ids [N], starts [N] (the index of each token's sequence's
+        first token) -> [N] int64, as each sequence would get alone."""
+        return torch.arange(input_ids.shape[0]) - starts
 
     def embed(self, indices: torch.Tensor, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
         """indices [3, N] -> the encoder's input [N, hidden]."""
@@ -372,7 +416,10 @@ class FusedModel(layers.Fused):
 
 
 def _cpu_threads(device: torch.device):
-    return threads.running(threads.for_forward()) if device.type == "cpu" else contextlib.nullcontext()
+    """The thread count of a CPU forward (``threads.py``); a compiled or exported graph keeps what it runs with."""
+    if device.type != "cpu" or torch.compiler.is_compiling() or dispatch.exporting():
+        return contextlib.nullcontext()
+    return threads.running(threads.for_forward())
 
 
 def _register_output_capture(model) -> None:
