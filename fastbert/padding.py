@@ -159,6 +159,20 @@ def unpadded_layout(attention_mask: torch.Tensor, seqlens: torch.Tensor | None =
     return TokenLayout(batch, seq_len, indices=indices, cu_seqlens=cu_seqlens, seqlens=host_seqlens)
 
 
+def packed_layout(seqlens: tuple[int, ...], device: torch.device) -> TokenLayout:
+    """The packed layout of sequences that come back to back without padding (``seqlens`` >= 1 each, on the host):
+    sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1], placed as row b of a [B, max(seqlens)] batch. Built from the
+    lengths alone: no padded tensor exists."""
+    lengths = torch.tensor(seqlens, dtype=torch.long)
+    batch, seq_len, total = len(seqlens), max(seqlens), int(lengths.sum())
+    starts = torch.cumsum(lengths, 0) - lengths  # [B]
+    offsets = torch.arange(total) - torch.repeat_interleave(starts, lengths)  # [N]: each token's place in its row
+    indices = torch.repeat_interleave(torch.arange(batch) * seq_len, lengths) + offsets
+    cu_seqlens = F.pad(torch.cumsum(lengths, 0).to(torch.int32), (1, 0))
+    layout = TokenLayout(batch, seq_len, indices=indices, cu_seqlens=cu_seqlens, seqlens=tuple(seqlens))
+    return layout.to(device) if device.type != "cpu" else layout
+
+
 def bucket_rows(tokens: int) -> int:
     """How many rows to run ``tokens`` tokens as when oneDNN runs the GEMMs: ``tokens`` rounded up to a multiple of
     16, and above 256 to one of 16 sizes per octave (at most 1/16 more rows, ~3% on average).

@@ -142,3 +142,33 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> to
         else:
             raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
     return torch.cat(outputs, dim=-1)
+
+
+def pool_packed(hidden: torch.Tensor, seqlens: torch.Tensor, modes: tuple[str, ...]) -> torch.Tensor:
+    """``pool`` of sequences that come back to back without padding: hidden [N, H], seqlens [B] int64 (each >= 1)
+    -> [B, H * len(modes)]: the same math on each sequence's own rows (segment sums, maxima, first and last rows)."""
+    batch, width = seqlens.shape[0], hidden.shape[1]
+    accumulate = torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.dtype
+    ends = torch.cumsum(seqlens, 0)
+    starts = ends - seqlens
+    segment = torch.repeat_interleave(torch.arange(batch, device=hidden.device), seqlens)  # [N]: its sequence
+    count = seqlens.to(accumulate)[:, None]  # [B, 1]
+    outputs = []
+    for mode in modes:
+        if mode == "cls":
+            outputs.append(hidden[starts])
+        elif mode == "lasttoken":
+            outputs.append(hidden[ends - 1])
+        elif mode == "max":
+            outputs.append(hidden.new_full((batch, width), float("-inf")).index_reduce_(0, segment, hidden, "amax"))
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            total = hidden.new_zeros((batch, width), dtype=accumulate).index_add_(0, segment, hidden.to(accumulate))
+            outputs.append((total / (count if mode == "mean" else count.sqrt())).to(hidden.dtype))
+        elif mode == "weightedmean":  # weights 1, 2, ... within each sequence
+            weights = (torch.arange(hidden.shape[0], device=hidden.device) - starts[segment] + 1).to(accumulate)
+            total = hidden.new_zeros((batch, width), dtype=accumulate).index_add_(
+                0, segment, hidden.to(accumulate) * weights[:, None])
+            outputs.append((total / (count * (count + 1) / 2)).to(hidden.dtype))
+        else:
+            raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
+    return torch.cat(outputs, dim=-1)

@@ -50,6 +50,11 @@ class RobertaShapedModel(modeling.FusedModel):
         positions = (real.cumsum(dim=1) * real + padding_idx).long()  # [B, S]
         return positions, f"positions numbered from input_ids ({padding_idx} + rank among non-padding tokens)"
 
+    def packed_position_ids(self, input_ids, starts):
+        real = input_ids.ne(self.embeddings.padding_idx).long()
+        before = real.cumsum(0) - real  # [N]: non-padding tokens before each, from the first sequence's start
+        return (real.cumsum(0) - before[starts]) * real + self.embeddings.padding_idx
+
 
 class RobertaModel(RobertaShapedModel, hf.RobertaModel):
     """Drop-in for ``transformers.RobertaModel``: ``RobertaModel(config, add_pooling_layer=True, unpad=True)``."""
