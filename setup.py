@@ -152,9 +152,10 @@ class BuildExt(build_ext):
 
 
 setup(
-    packages=["fastbert", "fastbert.models", "fastbert.kernels"],
+    packages=["fastbert", "fastbert.models", "fastbert.kernels", "fastbert.serve"],
     # kernels/ is installed as fastbert.kernels, never as a top-level `kernels` (a different package on PyPI).
-    package_dir={"fastbert": "fastbert", "fastbert.models": "fastbert/models", "fastbert.kernels": "kernels"},
+    package_dir={"fastbert": "fastbert", "fastbert.models": "fastbert/models", "fastbert.kernels": "kernels",
+                 "fastbert.serve": "fastbert/serve"},
     package_data={"fastbert": ["data/*.txt"]},  # the int8 guard's sentences
     ext_modules=[
         Pybind11Extension(

