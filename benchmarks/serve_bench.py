@@ -26,7 +26,6 @@ import os
 import platform
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,7 +175,10 @@ async def measure(name: str, url: str, model: str, seconds: float, minimum: floa
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path())
-    tokens_of = lambda texts: sum(len(ids) for ids in tokenizer(texts, truncation=True, max_length=256)["input_ids"])
+
+    def tokens_of(texts):
+        return sum(len(ids) for ids in tokenizer(texts, truncation=True, max_length=256)["input_ids"])
+
     client = openai.AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "none"), max_retries=0,
                                 timeout=120)
     cosine = await check(client, model, minimum)

@@ -90,7 +90,7 @@ class Batcher:
             self.condition.notify()
         self.worker.join()
 
-    # --- the worker's side ---------------------------------------------------------------------------------------------
+    # --- the worker's side -------------------------------------------------------------------------------------------
 
     def _serve(self) -> None:
         while True:
