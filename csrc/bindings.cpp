@@ -16,6 +16,7 @@
 #include "attention_cpu.h"
 #include "embedding_layer_norm.h"
 #include "fingerprint.h"
+#include "quantize_cpu.h"
 
 namespace py = pybind11;
 
@@ -106,6 +107,31 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
   fastbert::attention_cpu(args, num_threads, isa);
 }
 
+fastbert::QuantizeCpuArgs quantize_args(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols,
+                                         std::uintptr_t smooth, std::uintptr_t real_index, int64_t real_rows) {
+  if (rows < 0 || cols < 0) throw std::invalid_argument("rows and cols must be >= 0");
+  if (rows * cols > 0 && (!x || !out)) throw std::invalid_argument("null data pointer");
+  return {reinterpret_cast<const float*>(x), reinterpret_cast<uint8_t*>(out), rows, cols,
+          reinterpret_cast<const float*>(smooth), reinterpret_cast<const int64_t*>(real_index), real_rows};
+}
+
+std::pair<double, int64_t> quantize_per_call_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols,
+                                                 std::uintptr_t smooth, std::uintptr_t real_index, int64_t real_rows,
+                                                 int num_threads) {
+  double scale = 1.0;
+  int64_t zero_point = 0;
+  fastbert::quantize_per_call_cpu(quantize_args(x, out, rows, cols, smooth, real_index, real_rows), &scale,
+                                  &zero_point, num_threads);
+  return {scale, zero_point};
+}
+
+void quantize_per_token_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols, std::uintptr_t smooth,
+                            std::uintptr_t scales, int num_threads) {
+  if (rows > 0 && !scales) throw std::invalid_argument("null scales pointer");
+  fastbert::quantize_per_token_cpu(quantize_args(x, out, rows, cols, smooth, 0, rows),
+                                   reinterpret_cast<float*>(scales), num_threads);
+}
+
 // "" when the CUDA kernel can run on the current device, else why not.
 std::string cuda_probe() {
 #if defined(FASTBERT_WITH_CUDA)
@@ -185,6 +211,22 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("qkv"), py::arg("seqlens"), py::arg("heads"), py::arg("head_dim"),
         py::arg("relative_bias"), py::arg("radius"), py::arg("window"), py::arg("columns"), py::arg("scale"),
         py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
+
+  m.def("quantize_per_call_cpu", &quantize_per_call_cpu,
+        "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), one scale and zero point from "
+        "the range of the real rows (real_index [real_rows] int64 when not 0, else the first real_rows): returns "
+        "(scale, zero_point) (quantize_cpu.h).",
+        py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("smooth"), py::arg("real_index"),
+        py::arg("real_rows"), py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("quantize_per_token_cpu", &quantize_per_token_cpu,
+        "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), each row with its own "
+        "symmetric scale, written to scales [rows] float32 (quantize_cpu.h).",
+        py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("smooth"), py::arg("scales"),
+        py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("quantize_cpu_available", &fastbert::quantize_cpu_available,
+        "Whether this CPU runs the int8 activation quantizer (x86-64 with AVX2 and FMA).");
 
   m.def("attention_cpu_isas", &fastbert::attention_cpu_isas,
         "The instruction sets the CPU attention can run with here, fastest first ('avx512', 'avx2'); [] for none.");

@@ -101,7 +101,17 @@ def _scratch_like(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_activation(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None = None):
     """x [tokens, in] fp32 -> (u8 x_q [tokens, in], s_x, z_x), the range taken from the first ``rows`` rows (or the
-    rows indexed by ``rows``, [R] int64)."""
+    rows indexed by ``rows``, [R] int64): fastbert._C's one-pass quantizer (csrc/quantize_cpu.h) where it runs, the
+    same bytes as ``quantize_activation_ref``."""
+    from .._extension import quantize_cpu_unavailable_reasons, quantize_per_call
+
+    if quantize_cpu_unavailable_reasons():
+        return quantize_activation_ref(x, rows, smooth)
+    return quantize_per_call(x, rows, smooth)
+
+
+def quantize_activation_ref(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None = None):
+    """``quantize_activation`` in torch ops (five passes over x)."""
     scaled = _scratch_like(x)
     if smooth is not None:
         x = torch.div(x, smooth, out=scaled)
@@ -114,7 +124,17 @@ def quantize_activation(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch
 
 def quantize_activation_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None):
     """x [tokens, in] fp32 -> (u8 x_q [tokens, in], s_x [tokens, 1]): symmetric per row, x_q = round(x / s_x) + 128
-    (one zero point for every row, so the GEMM takes it; each row's scale is applied to its output row after)."""
+    (one zero point for every row, so the GEMM takes it; each row's scale is applied to its output row after).
+    fastbert._C's one-pass quantizer where it runs, the same bytes as ``quantize_activation_per_token_ref``."""
+    from .._extension import quantize_cpu_unavailable_reasons, quantize_per_token
+
+    if quantize_cpu_unavailable_reasons():
+        return quantize_activation_per_token_ref(x, smooth)
+    return quantize_per_token(x, smooth)
+
+
+def quantize_activation_per_token_ref(x: torch.Tensor, smooth: torch.Tensor | None = None):
+    """``quantize_activation_per_token`` in torch ops."""
     scaled = _scratch_like(x)
     if smooth is not None:
         x = torch.div(x, smooth, out=scaled)
@@ -130,10 +150,10 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                per_token: bool = False) -> torch.Tensor:
     """The same quantized math in float64 torch ops: what ``linear`` must compute up to fp32 rounding."""
     if per_token:
-        q, scale = quantize_activation_per_token(x, smooth)
+        q, scale = quantize_activation_per_token_ref(x, smooth)
         zero_point, scale = 128, scale.double()
     else:
-        q, scale, zero_point = quantize_activation(x, x.shape[0] if rows is None else rows, smooth)
+        q, scale, zero_point = quantize_activation_ref(x, x.shape[0] if rows is None else rows, smooth)
     weight_q, weight_scales = quantize_weight_ref(weight, bits, smooth)
     y = ((q.double() - zero_point) @ weight_q.double().t()) * (scale * weight_scales.double())
     if bias is not None:

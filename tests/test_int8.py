@@ -33,6 +33,29 @@ def bits_here() -> list[int]:
 SHAPES = [(1, 312, 26), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens, in, out)
 
 
+@pytest.mark.parametrize("tokens, d_in", [(1, 3), (7, 64), (300, 96), (129, 768), (33, 3072)])
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
+def test_one_pass_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
+    """fastbert._C's quantizer (csrc/quantize_cpu.h) and the torch ops it replaces: the same bytes, scales and zero
+    points, per call (range over leading rows or indexed rows) and per token; ties at .5 included (a half-integer
+    grid: round to even in both)."""
+    from fastbert import _extension
+
+    if _extension.quantize_cpu_unavailable_reasons():
+        pytest.skip("; ".join(_extension.quantize_cpu_unavailable_reasons()))
+    generator = torch.Generator().manual_seed(tokens * d_in)
+    x = torch.randn(tokens, d_in, generator=generator) * 4
+    x.view(-1)[: min(x.numel(), 512)] = torch.arange(min(x.numel(), 512)) * 0.5 - 128  # exact halves
+    divisor = torch.rand(d_in, generator=generator) + 0.5 if smooth else None
+    for rows in (tokens, tokens // 2, torch.tensor([tokens - 1, 0])):
+        fast, ref = int8_linear.quantize_activation(x, rows, divisor), int8_linear.quantize_activation_ref(
+            x, rows, divisor)
+        assert torch.equal(fast[0], ref[0]) and fast[1:] == ref[1:]
+    fast, ref = int8_linear.quantize_activation_per_token(x, divisor), int8_linear.quantize_activation_per_token_ref(
+        x, divisor)
+    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+
+
 @pytest.mark.parametrize("tokens, d_in, d_out", SHAPES)
 @pytest.mark.parametrize("epilogue", [None, "gelu", "gelu_new", "relu", "residual"])
 @pytest.mark.parametrize("per_token", [False, True], ids=["per-call", "per-token"])

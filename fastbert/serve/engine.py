@@ -19,7 +19,8 @@ import os
 import numpy as np
 import torch
 
-from .. import announce, cpu, quantize
+from .. import announce, cpu
+from ..quantize import quantize
 from ..auto import AutoModel, AutoModelForSequenceClassification
 from ..sentence import Sentence, pool_packed
 
@@ -174,7 +175,7 @@ def load(model: str, *, device: str = "cpu", dtype: str = "float32", int8: bool 
     loaded = auto.from_pretrained(sentence.transformer, **dtype_argument)
     loaded = loaded.to(device).eval()
     if int8:
-        quantize.quantize(loaded, tokenizer=tokenizer)
+        quantize(loaded, tokenizer=tokenizer)
     if scores:
         return Scores(loaded, tokenizer, name, _cross_encoder_activation(config))
     if not hasattr(loaded, "forward_packed"):
