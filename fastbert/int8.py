@@ -165,6 +165,11 @@ def _why_not(x: torch.Tensor, weights: tuple) -> str | None:
     return "; ".join(reasons) if reasons else None
 
 
+def runs_in(model: nn.Module) -> bool:
+    """Whether some Linear of ``model`` runs its GEMM in int8 here (chosen by ``fastbert.quantize``, int8 available)."""
+    return any(chosen(m) is not None for m in model.modules()) and not unavailable_reasons()
+
+
 def training_fallback(linear: nn.Module) -> None:
     """A chosen Linear runs in fp32 because gradients are needed or dropout is active: said once."""
     if chosen(linear) is not None:

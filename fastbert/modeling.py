@@ -265,11 +265,13 @@ class FusedModel(layers.Fused):
 
     def _buckets_rows(self) -> bool:
         """Whether the token rows are bucketed (``padding.bucket_rows``): in CPU inference where oneDNN runs the
-        GEMMs, whose memory grows with every distinct row count it sees."""
+        GEMMs (its fp32 linear, or its int8 one for a model ``fastbert.quantize`` chose), whose memory grows with
+        every distinct row count it sees."""
         word = self.get_input_embeddings().weight
-        return (word.device.type == "cpu" and plans.plannable()
-                and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
-                and dispatch.choose("gemm", word) == "onednn")
+        if word.device.type != "cpu" or not plans.plannable() or (
+                torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+            return False
+        return dispatch.choose("gemm", word) == "onednn" or int8.runs_in(self)
 
     def _token_ids(self, inputs: dict) -> tuple[tuple[torch.Tensor, ...], list[int], str]:
         """Checks the inputs (clear errors before any kernel runs) -> ((word, token type, position ids, [B, S] each,

@@ -154,3 +154,23 @@ def test_the_log_is_a_sentence(int8_on, small_bert_config, caplog):
     line = [r.getMessage() for r in caplog.records if "fastbert.quantize" in r.getMessage()][-1]
     assert "BertModel runs its encoder GEMMs in int8" in line and "not checked (guard=False)" in line
     assert "{" not in line
+
+
+def test_token_rows_are_bucketed_for_int8(int8_on, small_bert_config, monkeypatch):
+    """oneDNN's int8 linear keeps a primitive per distinct row count too: a quantized model's padding-free rows go as
+    one of a few bucket sizes (a server's varied batches do not grow its memory), and the spare rows change nothing."""
+    from fastbert import padding
+    from fastbert.kernels import int8_linear
+
+    rows_seen, linear = [], int8_linear.linear
+    monkeypatch.setattr(int8_linear, "linear", lambda x, *a, **k: rows_seen.append(x.shape[0]) or linear(x, *a, **k))
+    torch.manual_seed(0)
+    model = fastbert.quantize(transformers.BertModel(small_bert_config()).eval(), guard=False)
+    ids = torch.randint(1, 99, (3, 11))
+    mask = (torch.arange(11)[None] < torch.tensor([11, 7, 9])[:, None]).long()
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask).last_hidden_state
+        alone = [model(ids[i:i + 1, :n]).last_hidden_state[0] for i, n in enumerate((11, 7, 9))]
+    assert set(rows_seen) == {padding.bucket_rows(27)} == {32}
+    for i, n in enumerate((11, 7, 9)):  # (each sentence's range is its batch's: close, not equal)
+        torch.testing.assert_close(out[i, :n], alone[i], rtol=0, atol=0.05)
