@@ -237,7 +237,7 @@ void quantize_per_call_cpu(const QuantizeCpuArgs& a, double* scale, int64_t* zer
 #pragma omp barrier
 #pragma omp single
     {
-      // kernels/int8_linear.py's qparams, in double as Python computes it: 0 is exact in u8.
+      // fastbert/int8_linear.py's qparams, in double as Python computes it: 0 is exact in u8.
       double s = 1.0;
       int64_t z = 0;
       if (a.real_rows > 0 && !total.nan) {

@@ -1,10 +1,10 @@
 // Activation quantization for the int8 GEMMs on the CPU: float32 [rows, cols] -> uint8, in one parallel region.
 //
-//   per call:  s, z from the min and max of x / smooth over the real rows (kernels/int8_linear.py's qparams), then
+//   per call:  s, z from the min and max of x / smooth over the real rows (fastbert/int8_linear.py's qparams), then
 //              q = clamp(round(fma(x / smooth, 1 / s, z - 128)), -128, 127) + 128         for every row
 //   per token: s_r = max(max_j |x_rj / smooth_j|, FLT_MIN) / 127,  q = round((x_rj / smooth_j) / s_r) + 128
 //
-// round is to nearest even, and every operation is the one torch's ops run in kernels/int8_linear.py's reference path
+// round is to nearest even, and every operation is the one torch's ops run in fastbert/int8_linear.py's reference path
 // (the fused multiply-add of torch.add with alpha, IEEE division), so the bytes are the reference's. The caller
 // (fastbert/_extension.py) checks every pointer and size before the kernel runs.
 #pragma once

@@ -161,55 +161,6 @@ def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position
                         input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
 
 
-@functools.cache
-def quantize_cpu_unavailable_reasons() -> tuple[str, ...]:
-    """Why the one-pass int8 activation quantizer (csrc/quantize_cpu.h) cannot run here (() when it can)."""
-    if _C is None:
-        return (_IMPORT_ERROR,)
-    if not hasattr(_C, "quantize_cpu_available"):
-        return ("fastbert._C predates the int8 activation quantizer; reinstall fastbert",)
-    if not _C.quantize_cpu_available():
-        return ("fastbert's int8 activation quantizer needs an x86-64 CPU with AVX2 and FMA",)
-    return ()
-
-
-def _quantize_inputs(x: torch.Tensor, smooth: torch.Tensor | None):
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"x must be a float32 CPU tensor [tokens, in], got {tuple(x.shape)} {x.dtype} on {x.device}")
-    if smooth is not None and (smooth.dtype != torch.float32 or smooth.shape != (x.shape[1],)):
-        raise ValueError(f"smooth must be float32 [{x.shape[1]}], got {tuple(smooth.shape)} {smooth.dtype}")
-    return x.contiguous(), None if smooth is None else smooth.contiguous()
-
-
-def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None):
-    """x [tokens, in] float32 -> (u8 [tokens, in], scale, zero point): one scale from the range of the first ``rows``
-    rows (an int) or of the rows ``rows`` indexes ([R] int64), in one pass (kernels/int8_linear.py's
-    ``quantize_activation``)."""
-    x, smooth = _quantize_inputs(x, smooth)
-    index = None
-    if isinstance(rows, torch.Tensor):
-        index = rows.to(torch.int64).contiguous()
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
-            raise ValueError(f"rows indexes outside x's {x.shape[0]} rows")
-    elif not 0 <= rows <= x.shape[0]:
-        raise ValueError(f"rows must be in [0, {x.shape[0]}], got {rows}")
-    out = torch.empty(x.shape, dtype=torch.uint8)
-    scale, zero_point = _C.quantize_per_call_cpu(
-        x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], 0 if smooth is None else smooth.data_ptr(),
-        0 if index is None else index.data_ptr(), rows if index is None else index.numel(), torch.get_num_threads())
-    return out, scale, zero_point
-
-
-def quantize_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None):
-    """x [tokens, in] float32 -> (u8 [tokens, in], scales [tokens, 1]): a symmetric scale per row, in one pass."""
-    x, smooth = _quantize_inputs(x, smooth)
-    out = torch.empty(x.shape, dtype=torch.uint8)
-    scales = torch.empty(x.shape[0], 1)
-    _C.quantize_per_token_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                              0 if smooth is None else smooth.data_ptr(), scales.data_ptr(), torch.get_num_threads())
-    return out, scales
-
-
 def attention_cpu_unavailable_reasons() -> list[str]:
     """Why ``attention_cpu`` cannot run here ([] when it can): a property of this build and CPU, found once."""
     return list(_attention_cpu_reasons())
@@ -294,33 +245,3 @@ def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None
     return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
                         isa)
 
-
-# Sequences the dispatch times both attentions on, once per machine: a batch of 8 x 128 tokens and one of 512
-# (bert-base's 12 heads of 64). The kernel replaces torch's SDPA only where it is faster at both: measured on Zen 4
-# it is at every length; its AVX2 build, timed there against SDPA's AVX-512 one, wins at 128 tokens, not at 512.
-ATTENTION_MEASURED = {128: [128] * 8, 512: [512]}
-
-
-def attention_cpu_measure() -> dict[str, dict[int, float]]:
-    """GFLOP/s of torch's per-sequence SDPA and of ``attention_cpu`` on ``ATTENTION_MEASURED`` with torch's thread
-    count: {"torch": {tokens: gflops}, "cpu-ext": {...}} (median of 11 after 3 warm-ups, interleaved; ~0.3 s)."""
-    import torch.nn.functional as F
-
-    from .kernels.cpu_linear import median_seconds
-
-    generator = torch.Generator().manual_seed(0)
-    figures = {"torch": {}, "cpu-ext": {}}
-    with torch.inference_mode():
-        for tokens, seqlens in ATTENTION_MEASURED.items():
-            qkv = torch.randn(sum(seqlens), 3, 12, 64, generator=generator)
-
-            def sdpa():
-                for chunk in qkv.split(seqlens):
-                    q, k, v = chunk.permute(1, 2, 0, 3)[:, None]
-                    F.scaled_dot_product_attention(q, k, v)
-
-            seconds = median_seconds({"torch": sdpa, "cpu-ext": lambda: attention_cpu(qkv, seqlens)}, reps=11)
-            gflop = sum(4 * length * length * 12 * 64 for length in seqlens) / 1e9
-            for name, value in seconds.items():
-                figures[name][tokens] = round(gflop / value, 1)
-    return figures

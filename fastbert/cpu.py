@@ -16,12 +16,14 @@ CPU has an int8 dot product path at all).
 import functools
 import os
 import platform
+import statistics
 import threading
+import time
 
 import torch
+import torch.nn.functional as F
 
-from . import _extension, store, threads
-from .kernels import cpu_linear, int8_linear
+from . import cpu_gemm, int8_linear, store, threads
 
 # The instruction-set flags that change what is fast here, as /proc/cpuinfo names them.
 ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ne_convert",
@@ -102,11 +104,10 @@ def _timed(measure, count: int) -> tuple[dict, str | None]:
 
 
 def gemm_figures(dtype: torch.dtype) -> dict:
-    """GFLOP/s of torch's F.linear and of oneDNN's packed linear at ``cpu_linear.MEASURED_TOKENS`` tokens in
-    ``dtype``: {"torch": {tokens: gflops}, "onednn": {...}, "source": ...} (or "busy"). Measured once per machine
-    (~0.2 s), then read back by every process."""
-    return _measured(dtype, str(dtype), ("torch", "onednn"), cpu_linear.MEASURED_TOKENS,
-                     lambda: cpu_linear.measure(dtype))
+    """GFLOP/s of torch's F.linear and of oneDNN's packed linear at ``GEMM_TOKENS`` tokens in ``dtype``:
+    {"torch": {tokens: gflops}, "onednn": {...}, "source": ...} (or "busy"). Measured once per machine (~0.2 s),
+    then read back by every process."""
+    return _measured(dtype, str(dtype), ("torch", "onednn"), GEMM_TOKENS, lambda: _measure_gemm(dtype))
 
 
 def gemm_figures_so_far() -> dict[torch.dtype, dict]:
@@ -122,9 +123,9 @@ def attention_figures_so_far() -> dict | None:
 def int8_figures(bits: int) -> dict:
     """Effective GFLOP/s of the fp32 GEMMs (torch, oneDNN where it runs) and of the int8 linear with ``bits``-bit
     weights, activation quantization included (``int8_linear.measure``), measured once per machine (~2 s)."""
-    libraries = ("torch", "onednn", "int8") if not cpu_linear.unavailable_reasons(torch.float32) else ("torch", "int8")
-    return _measured(("int8", bits), f"{torch.float32} int8 w{bits}", libraries, int8_linear.MEASURED_TOKENS,
-                     lambda: int8_linear.measure(bits))
+    libraries = ("torch", "onednn", "int8") if not cpu_gemm.unavailable_reasons(torch.float32) else ("torch", "int8")
+    return _measured(("int8", bits), f"{torch.float32} int8 w{bits}", libraries, INT8_TOKENS,
+                     lambda: _measure_int8(bits))
 
 
 def int8_figures_so_far() -> dict:
@@ -161,10 +162,10 @@ def onednn_slower_reason(dtype: torch.dtype) -> str | None:
 
 
 def attention_figures() -> dict:
-    """GFLOP/s of torch's SDPA and of the C++ CPU attention (float32) at ``_extension.ATTENTION_MEASURED``'s
-    sequences, measured once per machine (~0.3 s), then read back."""
-    return _measured("attention", f"{torch.float32} attention", ("torch", "cpu-ext"),
-                     tuple(_extension.ATTENTION_MEASURED), _extension.attention_cpu_measure)
+    """GFLOP/s of torch's SDPA and of the C++ CPU attention (float32) at ``ATTENTION_SEQUENCES``, measured once per
+    machine (~0.3 s), then read back."""
+    return _measured("attention", f"{torch.float32} attention", ("torch", "cpu-ext"), tuple(ATTENTION_SEQUENCES),
+                     _measure_attention)
 
 
 def attention_slower_reason() -> str | None:
@@ -187,3 +188,105 @@ def _key(name: str, count: int | None = None) -> str:
     cpu = identity()
     flags = ",".join(flag for flag, present in cpu["flags"].items() if present)
     return f"{cpu['model']} [{flags}] torch {torch.__version__} threads {count} {name}"
+
+
+# --- the timings ------------------------------------------------------------------------------------------------------
+
+
+def median_seconds(calls: dict, warmup: int = 3, reps: int = 21) -> dict[str, float]:
+    """Median seconds of each call, timed in turns (a change of clock or load affects every library alike)."""
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    times = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# A small batch (one sequence) and a large one: a library that wins one may lose the other.
+GEMM_TOKENS = (128, 1024)
+
+
+def _measure_gemm(dtype: torch.dtype) -> dict[str, dict[int, float]]:
+    """GFLOP/s of torch's ``F.linear`` and of the packed oneDNN linear on [tokens, 768] x [768, 768]^T GEMMs in
+    ``dtype``, for each of ``GEMM_TOKENS`` (median of 21 after 3 warm-ups, the libraries interleaved; ~0.2 s: 5
+    calls of the 128-token GEMM, 0.2 ms each, left 2-core machines a few percent either way from run to run)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(768, 768, generator=generator).to(dtype)
+    bias = torch.zeros(768, dtype=dtype)
+    figures = {"torch": {}, "onednn": {}}
+    with torch.inference_mode():
+        packed = cpu_gemm.pack(weight)
+        for tokens in GEMM_TOKENS:
+            x = torch.randn(tokens, 768, generator=generator).to(dtype)
+            calls = {"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: cpu_gemm.linear(x, packed, bias)}
+            gflop = 2 * tokens * 768 * 768 / 1e9
+            for name, seconds in median_seconds(calls).items():
+                figures[name][tokens] = round(gflop / seconds, 1)
+    return figures
+
+
+# bert-base's four GEMM shapes (in, out) at a small and a large batch: int8 must win where the model spends its time.
+INT8_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))
+INT8_TOKENS = (128, 1024)
+
+
+def _measure_int8(bits: int) -> dict[str, dict[int, float]]:
+    """Effective GFLOP/s over bert-base's four GEMM shapes, per token count, of the fp32 GEMMs (torch's F.linear, and
+    oneDNN's packed linear where it runs) and of the int8 linear, quantization of x included (median of 11 after 2
+    warm-ups, interleaved; ~2 s)."""
+    generator = torch.Generator().manual_seed(0)
+    figures = {"torch": {}, "onednn": {}, "int8": {}}
+    with torch.inference_mode():
+        weights = [torch.randn(n_out, n_in, generator=generator) / n_in ** 0.5 for n_in, n_out in INT8_SHAPES]
+        biases = [torch.zeros(w.shape[0]) for w in weights]
+        quantized = [int8_linear.quantize_weight(w, bits) for w in weights]
+        packed = None if cpu_gemm.unavailable_reasons(torch.float32) else [cpu_gemm.pack(w) for w in weights]
+        for tokens in INT8_TOKENS:
+            xs = [torch.randn(tokens, w.shape[1], generator=generator) for w in weights]
+            calls = {
+                "torch": lambda: [F.linear(x, w, b) for x, w, b in zip(xs, weights, biases)],
+                "int8": lambda: [int8_linear.linear(x, q, b) for x, q, b in zip(xs, quantized, biases)],
+            }
+            if packed is not None:
+                calls["onednn"] = lambda: [cpu_gemm.linear(x, p, b) for x, p, b in zip(xs, packed, biases)]
+            gflop = sum(2 * tokens * w.numel() for w in weights) / 1e9
+            for name, seconds in median_seconds(calls, warmup=2, reps=11).items():
+                figures[name][tokens] = round(gflop / seconds, 1)
+    if packed is None:
+        del figures["onednn"]
+    return figures
+
+
+# Sequences both CPU attentions are timed on: a batch of 8 x 128 tokens and one of 512 (bert-base's 12 heads of 64).
+# The kernel replaces torch's SDPA only where it is faster at both: measured on Zen 4 it is at every length; its AVX2
+# build, timed there against SDPA's AVX-512 one, wins at 128 tokens, not at 512; on an Intel Xeon (Sapphire Rapids
+# class) SDPA wins at both.
+ATTENTION_SEQUENCES = {128: [128] * 8, 512: [512]}
+
+
+def _measure_attention() -> dict[str, dict[int, float]]:
+    """GFLOP/s of torch's per-sequence SDPA and of the C++ CPU attention on ``ATTENTION_SEQUENCES`` (median of 11
+    after 3 warm-ups, interleaved; ~0.3 s)."""
+    from ._extension import attention_cpu
+
+    generator = torch.Generator().manual_seed(0)
+    figures = {"torch": {}, "cpu-ext": {}}
+    with torch.inference_mode():
+        for tokens, seqlens in ATTENTION_SEQUENCES.items():
+            qkv = torch.randn(sum(seqlens), 3, 12, 64, generator=generator)
+
+            def sdpa():
+                for chunk in qkv.split(seqlens):
+                    q, k, v = chunk.permute(1, 2, 0, 3)[:, None]
+                    F.scaled_dot_product_attention(q, k, v)
+
+            seconds = median_seconds({"torch": sdpa, "cpu-ext": lambda: attention_cpu(qkv, seqlens)}, reps=11)
+            gflop = sum(4 * length * length * 12 * 64 for length in seqlens) / 1e9
+            for name, value in seconds.items():
+                figures[name][tokens] = round(gflop / value, 1)
+    return figures

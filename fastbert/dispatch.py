@@ -4,7 +4,7 @@ Backends, fastest first:
 - ``cuda-ext`` / ``cpu-ext``: the ``fastbert._C`` extension (the embedding op; on CPU also float32 attention);
 - ``triton``: the kernels in ``fastbert.kernels`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
 - ``onednn``: the CPU GEMMs (op ``gemm``) through oneDNN with prepacked weights and fused epilogues
-  (``kernels/cpu_linear.py``), where it is measured faster than torch's ``F.linear`` on this CPU;
+  (``kernels/cpu_gemm.py``), where it is measured faster than torch's ``F.linear`` on this CPU;
 - ``torch``: plain PyTorch (the reference ops, SDPA for attention). Always applies; it is also what runs when
   autograd needs gradients (the fused kernels are forward-only), dropout is active, or an activation has no kernel.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _extension, announce, cpu
-from .kernels import cpu_linear
+from . import cpu_gemm
 
 OPS = ("embedding", "attention", "rotary", "layer_norm", "bias_act", "glu", "act_layer_norm", "gemm")
 ENV_BACKEND = "FASTBERT_BACKEND"
@@ -161,7 +161,7 @@ def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, l
 
 
 def _onednn_reasons(dtype: torch.dtype) -> list[str]:
-    reasons = cpu_linear.unavailable_reasons(dtype)
+    reasons = cpu_gemm.unavailable_reasons(dtype)
     requested = requested_cpu_gemm()
     if requested == "torch":
         reasons.append(f"{ENV_CPU_GEMM}=torch")

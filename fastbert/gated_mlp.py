@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import derived, dispatch, int8
-from .kernels import cpu_linear
+from . import cpu_gemm
 from .kernels import glu as glu_kernels
 from .ops import counted, linear, onednn_applies, stack_linears, stacked_parameters
 from .plain import has_hooks, is_plain
@@ -55,7 +55,7 @@ def _how_dense_glu(x: torch.Tensor, up: nn.Module, gate: nn.Module, act_fn: nn.M
     elif why is None and x.device.type == "cpu" and onednn_applies(x, params):
         def run(x):
             weight, bias = derived.cached(gate, "glu_onednn", stacked_parameters(up, gate), _stack_and_pack)
-            return act_and_mul(cpu_linear.linear(x, weight, bias))
+            return act_and_mul(cpu_gemm.linear(x, weight, bias))
     else:
         # F.linear (CPU), or gradients: two GEMMs as transformers runs them. On CPU their contiguous outputs also
         # run the activation vectorized (a half of one [N, 2I] output is strided: 3x slower for SiLU on Zen 4), and
@@ -122,4 +122,4 @@ def _stack(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _stack_and_pack(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight, bias = stack_linears(2, *params)
-    return cpu_linear.pack(weight), bias
+    return cpu_gemm.pack(weight), bias

@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from . import announce, cpu, derived, dispatch, plan
-from .kernels import int8_linear
+from . import int8_linear
 
 ATTRIBUTE = "_fastbert_int8"  # on a chosen nn.Linear: its Choice
 CONFIG_KEY = "fastbert_int8"  # in an encoder's config: its Choices, saved and loaded with the checkpoint
 CONFIG_VERSION = 1
 
 # CPUs that sum u8 x s8 products in int32 (VNNI, AMX) multiply 8-bit weights exactly; the others saturate (module
-# docstring of kernels/int8_linear.py) and get 7-bit weights.
+# docstring of int8_linear.py) and get 7-bit weights.
 _INT32_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 # Int8 replaces the fp32 GEMM only when at least this much faster at every measured size (as ONEDNN_MARGIN).
 INT8_MARGIN = 1.1

@@ -21,7 +21,7 @@ from torch import nn
 from . import _extension, announce, derived, dispatch, int8
 from .attention import attention  # noqa: F401  (the attention op, in a module of its own)
 from .kernels import activation as activation_kernels
-from .kernels import cpu_linear
+from . import cpu_gemm
 from .kernels import embedding as embedding_kernels
 from .kernels import layer_norm as layer_norm_kernels
 from .plain import has_hooks, is_plain
@@ -104,7 +104,7 @@ def _how_linear(x: torch.Tensor, dense: nn.Module):
 
 def onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation: str | None = None):
     """A runner of act(dense(x)), or dense(x) + residual (``run(x, residual)``), through oneDNN with the weight
-    prepacked (``kernels/cpu_linear.py``); None where that does not apply: not CPU, a wrapped dense, ``why``
+    prepacked (``kernels/cpu_gemm.py``); None where that does not apply: not CPU, a wrapped dense, ``why``
     (gradients, dropout), autocast (which would not reach oneDNN's op), torch.func transforms, a weight that is not
     the module's parameter (nothing to cache it with), or dispatch keeping F.linear on this CPU."""
     if x.device.type != "cpu":
@@ -123,8 +123,8 @@ def onednn_gemm(x: torch.Tensor, dense: nn.Module, why: str | None, activation: 
         return None
 
     def run(x, residual=None):
-        packed = derived.cached(dense, "onednn_weight", (dense.weight,), cpu_linear.pack)
-        return cpu_linear.linear(x, packed, dense.bias, activation, residual)
+        packed = derived.cached(dense, "onednn_weight", (dense.weight,), cpu_gemm.pack)
+        return cpu_gemm.linear(x, packed, dense.bias, activation, residual)
 
     return run
 
@@ -271,7 +271,7 @@ def _how_qkv_projection(query: nn.Module, key: nn.Module, value: nn.Module, x: t
         def run(x):
             params = stacked_parameters(query, key, value)
             weight, bias = derived.cached(query, "qkv_onednn", params, _stack_and_pack_qkv)
-            return cpu_linear.linear(x, weight, bias)
+            return cpu_gemm.linear(x, weight, bias)
 
         return run
 
@@ -302,7 +302,7 @@ def _stack_qkv(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _stack_and_pack_qkv(*params) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight, bias = stack_linears(3, *params)
-    return cpu_linear.pack(weight), bias
+    return cpu_gemm.pack(weight), bias
 
 
 # --- dense + residual + LayerNorm, dense + activation -------------------------------------------------------------

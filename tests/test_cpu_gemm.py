@@ -1,4 +1,4 @@
-"""CPU GEMMs through oneDNN (kernels/cpu_linear.py): the op against its torch reference on odd shapes, the model
+"""CPU GEMMs through oneDNN (fastbert/cpu_gemm.py): the op against its torch reference on odd shapes, the model
 with oneDNN forced against HF, and the prepacked-weight cache following every way the weights change."""
 
 import copy
@@ -12,14 +12,13 @@ import transformers
 from test_model_api import right_padded
 
 import fastbert
-from fastbert import dispatch, padding
-from fastbert.kernels import cpu_linear
+from fastbert import cpu, cpu_gemm, dispatch, padding
 
 
 @pytest.fixture
 def onednn(fastbert_env):
     """oneDNN GEMMs forced for one test (whatever the measurement on this CPU would pick)."""
-    reasons = cpu_linear.unavailable_reasons(torch.float32)
+    reasons = cpu_gemm.unavailable_reasons(torch.float32)
     if reasons:
         pytest.skip("; ".join(reasons))
     fastbert_env(FASTBERT_CPU_GEMM="onednn")
@@ -39,13 +38,13 @@ def test_linear_matches_reference(onednn, tokens, d_in, d_out, epilogue, dtype):
     weight, bias = weight * d_in ** -0.5, 0.1 * torch.randn(d_out, generator=generator)
     residual = torch.randn(tokens, d_out, generator=generator) if epilogue == "residual" else None
     activation = None if epilogue in (None, "residual") else epilogue
-    ref = cpu_linear.linear_ref(x.double(), weight.double(), bias.double(), activation,
+    ref = cpu_gemm.linear_ref(x.double(), weight.double(), bias.double(), activation,
                                 None if residual is None else residual.double())
     args = [t.to(dtype) for t in (x, weight, bias)]
     res = None if residual is None else residual.to(dtype)
     with torch.inference_mode():
-        out = cpu_linear.linear(args[0], cpu_linear.pack(args[1]), args[2], activation, res)
-        out_torch = cpu_linear.linear_ref(*args, activation, res)
+        out = cpu_gemm.linear(args[0], cpu_gemm.pack(args[1]), args[2], activation, res)
+        out_torch = cpu_gemm.linear_ref(*args, activation, res)
     assert out.dtype == dtype and out.shape == (tokens, d_out)
     err, err_torch = ((o.double() - ref).abs().max().item() for o in (out, out_torch))
     assert err <= 2 * err_torch + (1e-6 if dtype == torch.float32 else 1e-3), (err, err_torch)
@@ -54,11 +53,11 @@ def test_linear_matches_reference(onednn, tokens, d_in, d_out, epilogue, dtype):
 
 
 def test_bad_input_raises():
-    packed = cpu_linear.pack(torch.randn(8, 4))
+    packed = cpu_gemm.pack(torch.randn(8, 4))
     with pytest.raises(ValueError, match="x must be"):
-        cpu_linear.linear(torch.randn(2, 3, 4), packed, None)
+        cpu_gemm.linear(torch.randn(2, 3, 4), packed, None)
     with pytest.raises(ValueError, match="not both"):
-        cpu_linear.linear(torch.randn(2, 4), packed, None, "gelu", torch.randn(2, 8))
+        cpu_gemm.linear(torch.randn(2, 4), packed, None, "gelu", torch.randn(2, 8))
 
 
 FAMILY_CONFIGS = {
@@ -105,8 +104,8 @@ def test_token_rows_are_bucketed_for_onednn(onednn, monkeypatch):
     """oneDNN keeps a primitive (and its scratchpad) per distinct row count: the padding-free rows go as one of a few
     bucket sizes, the spare rows change nothing in the outputs (hidden states of every layer, pooler)."""
     rows_seen = []
-    gemm = cpu_linear.linear
-    monkeypatch.setattr(cpu_linear, "linear",
+    gemm = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear",
                         lambda x, *args, **kw: rows_seen.append(x.shape[0]) or gemm(x, *args, **kw))
     config = FAMILY_CONFIGS["bert"]
     hf, fast = _pair(config)
@@ -186,15 +185,15 @@ def test_backend_torch_keeps_f_linear(fastbert_env):
 
 def test_info_reports_the_measurement_and_the_cpu(fastbert_env):
     fastbert_env(FASTBERT_CPU_GEMM="auto")
-    if not cpu_linear.unavailable_reasons(torch.float32):
-        assert dispatch.choose("gemm", torch.empty(2, 2)) in ("onednn", "torch")
+    if not cpu_gemm.unavailable_reasons(torch.float32):
+        assert dispatch.report(torch.device("cpu"), torch.float32)[0]["gemm"] in ("onednn", "torch")
     info = fastbert.info()
     gemm = info["cpu_gemm"]
     assert gemm["requested"] == "auto"
-    if not cpu_linear.unavailable_reasons(torch.float32):
+    if not cpu_gemm.unavailable_reasons(torch.float32):
         figures = gemm["measured_gflops"]["float32"]
         assert set(figures) == {"torch", "onednn", "source"}
-        assert set(figures["torch"]) == set(figures["onednn"]) == set(cpu_linear.MEASURED_TOKENS)
+        assert set(figures["torch"]) == set(figures["onednn"]) == set(cpu.GEMM_TOKENS)
     assert info["cpu"]["model"] and set(info["cpu"]["flags"]) == set(fastbert.cpu.ISA_FLAGS)
     assert info["cpu"]["native_bf16"] == (info["cpu"]["flags"]["avx512_bf16"] or info["cpu"]["flags"]["amx_bf16"])
 
@@ -203,7 +202,7 @@ def test_gemm_choice_is_the_same_in_every_process(tmp_path):
     """The auto choice is measured once per machine and read back by later processes: two processes on one machine
     run the same GEMM library (the same low-order bits), whatever the timing noise of the second would say."""
     script = ("import torch, fastbert; from fastbert import cpu, dispatch; "
-              "print(dispatch.choose('gemm', torch.empty(2, 2)), cpu.gemm_figures(torch.float32))")
+              "print(dispatch.report(torch.device('cpu'), torch.float32)[0]['gemm'], cpu.gemm_figures(torch.float32))")
     env = {**os.environ, "FASTBERT_CACHE_DIR": str(tmp_path), "FASTBERT_CPU_GEMM": "auto"}
     # cwd elsewhere: `python -c` puts the working directory first on sys.path, and the tests use the installed package.
     runs = [subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env,
@@ -241,8 +240,8 @@ def test_bf16_on_a_cpu_without_native_bf16_is_said(monkeypatch, small_bert_confi
 def test_bf16_error_within_hf_bf16_error(fastbert_env, gemm):
     """bf16 on CPU: fastbert's error vs the fp32 model at most 1.2x transformers' own bf16 error (mean and max over
     real tokens), with either GEMM library. Statistics (LayerNorm, softmax) stay fp32 inside the ops."""
-    if gemm == "onednn" and cpu_linear.unavailable_reasons(torch.bfloat16):
-        pytest.skip("; ".join(cpu_linear.unavailable_reasons(torch.bfloat16)))
+    if gemm == "onednn" and cpu_gemm.unavailable_reasons(torch.bfloat16):
+        pytest.skip("; ".join(cpu_gemm.unavailable_reasons(torch.bfloat16)))
     fastbert_env(FASTBERT_CPU_GEMM=gemm)
     config = transformers.BertConfig(vocab_size=99, hidden_size=256, num_attention_heads=4, num_hidden_layers=4,
                                      intermediate_size=1024, max_position_embeddings=64)

@@ -23,7 +23,7 @@ from test_model_api import right_padded
 
 import fastbert
 from fastbert import derived
-from fastbert.kernels import cpu_linear
+from fastbert import cpu_gemm
 
 CONFIG = dict(vocab_size=99, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
               max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -32,8 +32,8 @@ CONFIG = dict(vocab_size=99, hidden_size=64, num_attention_heads=4, num_hidden_l
 @pytest.fixture(params=["onednn", "torch"])
 def gemm(request, fastbert_env):
     """Both CPU GEMM libraries: oneDNN (packed weights cached per Linear) and F.linear (the stacked QKV cached)."""
-    if request.param == "onednn" and cpu_linear.unavailable_reasons(torch.float32):
-        pytest.skip("; ".join(cpu_linear.unavailable_reasons(torch.float32)))
+    if request.param == "onednn" and cpu_gemm.unavailable_reasons(torch.float32):
+        pytest.skip("; ".join(cpu_gemm.unavailable_reasons(torch.float32)))
     fastbert_env(FASTBERT_CPU_GEMM=request.param)
     return request.param
 

@@ -13,8 +13,7 @@ import transformers
 from test_families import FAMILIES, FAMILY_IDS, _head_cases, _pad_id, inputs
 
 import fastbert
-from fastbert import derived, int8
-from fastbert.kernels import int8_linear
+from fastbert import derived, int8, int8_linear
 
 
 @pytest.fixture
@@ -39,10 +38,8 @@ def test_one_pass_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
     """fastbert._C's quantizer (csrc/quantize_cpu.h) and the torch ops it replaces: the same bytes, scales and zero
     points, per call (range over leading rows or indexed rows) and per token; ties at .5 included (a half-integer
     grid: round to even in both)."""
-    from fastbert import _extension
-
-    if _extension.quantize_cpu_unavailable_reasons():
-        pytest.skip("; ".join(_extension.quantize_cpu_unavailable_reasons()))
+    if int8_linear.quantize_cpu_unavailable_reasons():
+        pytest.skip("; ".join(int8_linear.quantize_cpu_unavailable_reasons()))
     generator = torch.Generator().manual_seed(tokens * d_in)
     x = torch.randn(tokens, d_in, generator=generator) * 4
     x.view(-1)[: min(x.numel(), 512)] = torch.arange(min(x.numel(), 512)) * 0.5 - 128  # exact halves

@@ -9,8 +9,7 @@ import torch
 import transformers
 
 import fastbert
-from fastbert import int8
-from fastbert.kernels import int8_linear
+from fastbert import int8, int8_linear
 
 
 @pytest.fixture
@@ -160,7 +159,7 @@ def test_token_rows_are_bucketed_for_int8(int8_on, small_bert_config, monkeypatc
     """oneDNN's int8 linear keeps a primitive per distinct row count too: a quantized model's padding-free rows go as
     one of a few bucket sizes (a server's varied batches do not grow its memory), and the spare rows change nothing."""
     from fastbert import padding
-    from fastbert.kernels import int8_linear
+    from fastbert import int8_linear
 
     rows_seen, linear = [], int8_linear.linear
     monkeypatch.setattr(int8_linear, "linear", lambda x, *a, **k: rows_seen.append(x.shape[0]) or linear(x, *a, **k))

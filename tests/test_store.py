@@ -21,10 +21,9 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import cpu, dispatch, store, threads
-from fastbert.kernels import cpu_linear
+from fastbert import cpu, cpu_gemm, dispatch, store, threads
 
-GEMM = (str(torch.float32), ("torch", "onednn"), cpu_linear.MEASURED_TOKENS)
+GEMM = (str(torch.float32), ("torch", "onednn"), cpu.GEMM_TOKENS)
 
 
 @pytest.fixture
@@ -59,7 +58,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("what", list(MALFORMED))
 def test_a_malformed_entry_is_measured_again_rewritten_and_warned(empty_store, what):
-    if cpu_linear.unavailable_reasons(torch.float32):
+    if cpu_gemm.unavailable_reasons(torch.float32):
         pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
     key = cpu._key(GEMM[0])
     empty_store.write_text(json.dumps({key: MALFORMED[what], "another machine": _valid()}))
@@ -75,7 +74,7 @@ def test_a_malformed_entry_is_measured_again_rewritten_and_warned(empty_store, w
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
 def test_a_broken_file_is_rewritten(empty_store, content):
-    if cpu_linear.unavailable_reasons(torch.float32):
+    if cpu_gemm.unavailable_reasons(torch.float32):
         pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
     empty_store.write_text(content)
     with pytest.warns(RuntimeWarning, match=str(empty_store)):
@@ -103,7 +102,7 @@ def test_a_measurement_beside_busy_processes_is_not_kept(empty_store, monkeypatc
     """As many busy processes as CPUs: the measurement sees its threads did not get the CPU; the store keeps a busy
     marker (never the figures), every choice keeps its default while it lasts, and the next measurement after it
     expires, on a quiet machine, is kept."""
-    if cpu_linear.unavailable_reasons(torch.float32):
+    if cpu_gemm.unavailable_reasons(torch.float32):
         pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
     monkeypatch.setattr(store, "BUSY_SECONDS", 1.0)
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(threads.affinity() + 1)]
@@ -151,7 +150,7 @@ def test_four_processes_starting_together_agree(tmp_path):
 
 
 def test_the_store_is_bounded(empty_store):
-    if cpu_linear.unavailable_reasons(torch.float32):
+    if cpu_gemm.unavailable_reasons(torch.float32):
         pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
     old = {f"machine {i}": {**_valid(), "measured_at": 1000.0 + i} for i in range(store.MAX_ENTRIES + 10)}
     empty_store.write_text(json.dumps(old))

@@ -29,6 +29,11 @@ FAMILIES = {
 }
 
 
+
+class Unavailable(Exception):
+    """A provider cannot run for this model, dtype or device; the message says why (the run goes on)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     family: str  # a key of FAMILIES

@@ -22,8 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .models import ModelSet, bert_tokenizer
-from .providers import Unavailable
+from .models import ModelSet, Unavailable, bert_tokenizer
 
 
 def openvino_missing() -> str | None:

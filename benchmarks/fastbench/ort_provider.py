@@ -27,8 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .models import ModelSet
-from .providers import Unavailable
+from .models import ModelSet, Unavailable
 
 FUSED_OPS = ("EmbedLayerNormalization", "Attention", "SkipLayerNormalization", "BiasGelu")
 

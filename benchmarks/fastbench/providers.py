@@ -14,15 +14,11 @@ from typing import Callable
 
 import torch
 
-from .models import ModelSet, bert_tokenizer, is_fastbert
+from .models import ModelSet, Unavailable, bert_tokenizer, is_fastbert
 
 Forward = Callable[[dict], object]  # inputs (input_ids, attention_mask) -> model output with .last_hidden_state
 Log = Callable[[str], None]
 BASELINE = "hf-sdpa"
-
-
-class Unavailable(Exception):
-    """The provider cannot run for this model, dtype or device; the message says why (the run goes on)."""
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import cpu_linear
-from .activation import activation_ref
-from .cpu_linear import EPILOGUES
+from . import _extension
+from .cpu_gemm import EPILOGUES
+from .kernels.activation import activation_ref
 
 
 class QuantizedWeight:
@@ -99,12 +99,66 @@ def _scratch_like(x: torch.Tensor) -> torch.Tensor:
     return buffer[:numel].view(x.shape)
 
 
+# --- fastbert._C's one-pass quantizer (csrc/quantize_cpu.h) -----------------------------------------------------------
+
+
+@functools.cache
+def quantize_cpu_unavailable_reasons() -> tuple[str, ...]:
+    """Why the one-pass int8 activation quantizer (csrc/quantize_cpu.h) cannot run here (() when it can)."""
+    _C = _extension._C
+    if _C is None:
+        return (_extension._IMPORT_ERROR,)
+    if not hasattr(_C, "quantize_cpu_available"):
+        return ("fastbert._C predates the int8 activation quantizer; reinstall fastbert",)
+    if not _C.quantize_cpu_available():
+        return ("fastbert's int8 activation quantizer needs an x86-64 CPU with AVX2 and FMA",)
+    return ()
+
+
+def _quantize_inputs(x: torch.Tensor, smooth: torch.Tensor | None):
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"x must be a float32 CPU tensor [tokens, in], got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if smooth is not None and (smooth.dtype != torch.float32 or smooth.shape != (x.shape[1],)):
+        raise ValueError(f"smooth must be float32 [{x.shape[1]}], got {tuple(smooth.shape)} {smooth.dtype}")
+    return x.contiguous(), None if smooth is None else smooth.contiguous()
+
+
+def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None):
+    """x [tokens, in] float32 -> (u8 [tokens, in], scale, zero point): one scale from the range of the first ``rows``
+    rows (an int) or of the rows ``rows`` indexes ([R] int64), in one pass (``quantize_activation`` calls it)."""
+    x, smooth = _quantize_inputs(x, smooth)
+    index = None
+    if isinstance(rows, torch.Tensor):
+        index = rows.to(torch.int64).contiguous()
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
+            raise ValueError(f"rows indexes outside x's {x.shape[0]} rows")
+    elif not 0 <= rows <= x.shape[0]:
+        raise ValueError(f"rows must be in [0, {x.shape[0]}], got {rows}")
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    scale, zero_point = _extension._C.quantize_per_call_cpu(
+        x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], 0 if smooth is None else smooth.data_ptr(),
+        0 if index is None else index.data_ptr(), rows if index is None else index.numel(), torch.get_num_threads())
+    return out, scale, zero_point
+
+
+def quantize_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None):
+    """x [tokens, in] float32 -> (u8 [tokens, in], scales [tokens, 1]): a symmetric scale per row, in one pass."""
+    x, smooth = _quantize_inputs(x, smooth)
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    scales = torch.empty(x.shape[0], 1)
+    _extension._C.quantize_per_token_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                         0 if smooth is None else smooth.data_ptr(), scales.data_ptr(),
+                                         torch.get_num_threads())
+    return out, scales
+
+
+# --- activations ------------------------------------------------------------------------------------------------------
+
+
 def quantize_activation(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None = None):
     """x [tokens, in] fp32 -> (u8 x_q [tokens, in], s_x, z_x), the range taken from the first ``rows`` rows (or the
     rows indexed by ``rows``, [R] int64): fastbert._C's one-pass quantizer (csrc/quantize_cpu.h) where it runs, the
     same bytes as ``quantize_activation_ref``."""
-    from .._extension import quantize_cpu_unavailable_reasons, quantize_per_call
-
     if quantize_cpu_unavailable_reasons():
         return quantize_activation_ref(x, rows, smooth)
     return quantize_per_call(x, rows, smooth)
@@ -126,8 +180,6 @@ def quantize_activation_per_token(x: torch.Tensor, smooth: torch.Tensor | None =
     """x [tokens, in] fp32 -> (u8 x_q [tokens, in], s_x [tokens, 1]): symmetric per row, x_q = round(x / s_x) + 128
     (one zero point for every row, so the GEMM takes it; each row's scale is applied to its output row after).
     fastbert._C's one-pass quantizer where it runs, the same bytes as ``quantize_activation_per_token_ref``."""
-    from .._extension import quantize_cpu_unavailable_reasons, quantize_per_token
-
     if quantize_cpu_unavailable_reasons():
         return quantize_activation_per_token_ref(x, smooth)
     return quantize_per_token(x, smooth)
@@ -203,8 +255,8 @@ def unavailable_reasons() -> list[str]:
 @functools.cache
 def _trial_failure() -> str | None:
     """The error of one tiny int8 GEMM with each epilogue, or None when they run and give the exact result (in a
-    thread of its own, as ``cpu_linear._trial_failure``)."""
-    from ..threads import in_own_thread
+    thread of its own, as ``cpu_gemm._trial_failure``)."""
+    from .threads import in_own_thread
 
     return in_own_thread(_trial)
 
@@ -218,33 +270,3 @@ def _trial() -> str | None:
     except RuntimeError as error:
         return str(error).strip().splitlines()[0]
     return None if torch.allclose(y, F.gelu(torch.full((3, 8), 16.0))) else "a GEMM of ones came back wrong"
-
-
-# bert-base's four GEMM shapes (in, out) at a small and a large batch: int8 must win where the model spends its time.
-MEASURED_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))
-MEASURED_TOKENS = (128, 1024)
-
-
-def measure(bits: int) -> dict[str, dict[int, float]]:
-    """Effective GFLOP/s over bert-base's four GEMM shapes, per token count, of the fp32 GEMMs (torch's F.linear, and
-    oneDNN's packed linear where it runs) and of the int8 linear, quantization of x included: {"torch": {tokens:
-    gflops}, "onednn": {...}, "int8": {...}} (median of 11 after 2 warm-ups, interleaved; ~2 s, once per machine)."""
-    generator = torch.Generator().manual_seed(0)
-    figures = {"torch": {}, "onednn": {}, "int8": {}}
-    with torch.inference_mode():
-        weights = [torch.randn(n_out, n_in, generator=generator) / n_in ** 0.5 for n_in, n_out in MEASURED_SHAPES]
-        biases = [torch.zeros(w.shape[0]) for w in weights]
-        quantized = [quantize_weight(w, bits) for w in weights]
-        packed = None if cpu_linear.unavailable_reasons(torch.float32) else [cpu_linear.pack(w) for w in weights]
-        for tokens in MEASURED_TOKENS:
-            xs = [torch.randn(tokens, w.shape[1], generator=generator) for w in weights]
-            calls = {
-                "torch": lambda: [F.linear(x, w, b) for x, w, b in zip(xs, weights, biases)],
-                "int8": lambda: [linear(x, q, b) for x, q, b in zip(xs, quantized, biases)],
-            }
-            if packed is not None:
-                calls["onednn"] = lambda: [cpu_linear.linear(x, p, b) for x, p, b in zip(xs, packed, biases)]
-            gflop = sum(2 * tokens * w.numel() for w in weights) / 1e9
-            for name, seconds in cpu_linear.median_seconds(calls, warmup=2, reps=11).items():
-                figures[name][tokens] = round(gflop / seconds, 1)
-    return figures

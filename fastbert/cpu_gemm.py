@@ -5,22 +5,20 @@ x: [tokens, in], W: [out, in] (prepacked by ``pack``), b: [out] or None, residua
 torch's ``F.linear`` on CPU runs MKL's sgemm (fp32). oneDNN, which every x86 torch build carries, runs the same GEMM
 on weights reordered once into its blocked layout and applies bias, GELU (exact erf or tanh), ReLU or a residual add
 in the GEMM's epilogue, while the output tile is still in cache. Which library is faster depends on the CPU (seen:
-oneDNN 1.05-1.3x MKL on one AMD EPYC with AVX-512, about 2x on another), so ``measure`` times both on bert-base-sized
-GEMMs of a small and a large batch, and dispatch keeps oneDNN only where it wins both (``fastbert/cpu.py`` keeps the
-figures per machine; ``fastbert.info()`` shows them).
+oneDNN 1.05-1.3x MKL on one AMD EPYC with AVX-512, about 2x on another), so ``cpu.gemm_figures`` times both on
+bert-base-sized GEMMs of a small and a large batch, once per machine, and dispatch keeps oneDNN only where it wins
+both (``fastbert.info()`` shows the figures).
 
 Numerics: fp32 accumulation in both; the epilogue applies to the fp32 accumulator before the output is rounded, so in
 bf16 the bias, residual and activation see one rounding fewer than ``F.linear`` followed by torch ops.
 """
 
 import functools
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from .activation import activation_ref
+from .kernels.activation import activation_ref
 
 # HF activation name -> oneDNN (attr, algorithm); the tanh GELU is the formula "gelu_new" and "gelu_pytorch_tanh" use.
 EPILOGUES = {
@@ -63,7 +61,7 @@ def _trial_failure(dtype: torch.dtype) -> str | None:
     queries are not the whole story (seen: a torch build whose bf16 query says yes and whose linear then raises "bf16
     path needs avx_ne_convert or avx512bw"). Run in a thread of its own (``fastbert.threads``: a fork later does not
     inherit OpenMP threads)."""
-    from ..threads import in_own_thread
+    from .threads import in_own_thread
 
     return in_own_thread(_trial, dtype)
 
@@ -96,40 +94,3 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act
     attr, algorithm = EPILOGUES[activation] if activation is not None else ("none", "")
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, [], algorithm)
 
-
-# A small batch (one sequence) and a large one: a library that wins one may lose the other.
-MEASURED_TOKENS = (128, 1024)
-
-
-def measure(dtype: torch.dtype) -> dict[str, dict[int, float]]:
-    """GFLOP/s of torch's ``F.linear`` and of the packed oneDNN linear on [tokens, 768] x [768, 768]^T GEMMs in
-    ``dtype``, for each of ``MEASURED_TOKENS``, with torch's current thread count: {"torch": {tokens: gflops},
-    "onednn": {...}} (median of 21 after 3 warm-ups, the libraries interleaved; ~0.2 s, once per machine: 5 calls of
-    the 128-token GEMM, 0.2 ms each, left 2-core machines a few percent either way from run to run)."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(768, 768, generator=generator).to(dtype)
-    bias = torch.zeros(768, dtype=dtype)
-    figures = {"torch": {}, "onednn": {}}
-    with torch.inference_mode():
-        packed = pack(weight)
-        for tokens in MEASURED_TOKENS:
-            x = torch.randn(tokens, 768, generator=generator).to(dtype)
-            calls = {"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: linear(x, packed, bias)}
-            gflop = 2 * tokens * 768 * 768 / 1e9
-            for name, seconds in median_seconds(calls).items():
-                figures[name][tokens] = round(gflop / seconds, 1)
-    return figures
-
-
-def median_seconds(calls: dict, warmup: int = 3, reps: int = 21) -> dict[str, float]:
-    """Median seconds of each call, timed in turns (a change of clock or load affects every library alike)."""
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
-    times = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
