@@ -92,7 +92,8 @@ def _case(name, shape, nbytes, flops, fastbert_fn, torch_fn, ref_fn, ulps) -> di
 def kernel_cases(dtype: torch.dtype):
     """Yields one row per case (see ``_case``), as each completes."""
     from fastbert import _extension
-    from fastbert.kernels import activation, attention, embedding, layer_norm
+    from fastbert.ops import embedding as embedding_op
+    from fastbert.kernels import activation, attention, attention_varlen, embedding, layer_norm
 
     dev, size = "cuda", torch.finfo(dtype).bits // 8
     for tokens, hidden in ((4096, 768), (4096, 3072)):
@@ -121,7 +122,7 @@ def kernel_cases(dtype: torch.dtype):
     # BertSelfOutput (768 -> 768) and BertOutput (3072 -> 768), GEMM included: LayerNorm(x W^T + b + residual), the
     # two ways of feeding the fused LayerNorm. addmm(residual, x, W^T) folds the residual into the GEMM (cuBLAS first
     # copies it into the output) and leaves the dense bias to the kernel; linear(x, W, b) takes the bias in cuBLASLt's
-    # epilogue and the kernel adds the residual (what fastbert.ops runs). torch: HF's linear, add, LayerNorm.
+    # epilogue and the kernel adds the residual (what fastbert/ops/norm.py runs). torch: HF's linear, add, LayerNorm.
     tokens, hidden = 4096, 768
     for k_in in (768, 3072):
         x = torch.randn(tokens, k_in, device=dev, dtype=dtype)
@@ -160,10 +161,10 @@ def kernel_cases(dtype: torch.dtype):
         print("embedding (cuda-ext) not timed:", "; ".join(ext_reasons))
     else:
         yield _case("embedding (cuda-ext)", f"{tokens}x{hidden}", emb_bytes, 8 * tokens * hidden,
-                    lambda: _extension.embedding_layer_norm(*args), torch_emb, ref, ULPS["elementwise"])
+                    lambda: embedding_op.embedding_layer_norm(*args), torch_emb, ref, ULPS["elementwise"])
         # The CUDA kernel and its Triton fallback compute the same op: they must agree to rounding.
         try:
-            ext_vs_triton = (_extension.embedding_layer_norm(*args).float()
+            ext_vs_triton = (embedding_op.embedding_layer_norm(*args).float()
                              - embedding.embedding_layer_norm(*args).float())
             print(f"embedding: max |cuda-ext - triton| = {ext_vs_triton.abs().max().item():.3g}")
         except Exception:  # noqa: BLE001 - the rows say which of the two failed
@@ -215,8 +216,8 @@ def kernel_cases(dtype: torch.dtype):
     # Packed: q, k, v read and out written for the real tokens only; each against its own sequence's keys.
     yield _case("attention_varlen (packed)", shape, 4 * real * row_bytes,
                 4 * heads * head_dim * int((lengths.long() ** 2).sum()),
-                lambda: attention.attention_varlen(packed, cu_seqlens, max_seqlen), torch_masked,
-                lambda: attention.attention_varlen_ref(packed, cu_seqlens, max_seqlen), ULPS["attention"])
+                lambda: attention_varlen.attention_varlen(packed, cu_seqlens, max_seqlen), torch_masked,
+                lambda: attention_varlen.attention_varlen_ref(packed, cu_seqlens, max_seqlen), ULPS["attention"])
 
 
 def write_tables(out: Path, rows: list[dict], title: str, copy_gbs: float) -> list[str]:

@@ -122,7 +122,7 @@ def attention_figures_so_far() -> dict | None:
 
 def int8_figures(bits: int) -> dict:
     """Effective GFLOP/s of the fp32 GEMMs (torch, oneDNN where it runs) and of the int8 linear with ``bits``-bit
-    weights, activation quantization included (``int8_linear.measure``), measured once per machine (~2 s)."""
+    weights, activation quantization included, measured once per machine (~2 s)."""
     libraries = ("torch", "onednn", "int8") if not cpu_gemm.unavailable_reasons(torch.float32) else ("torch", "int8")
     return _measured(("int8", bits), f"{torch.float32} int8 w{bits}", libraries, INT8_TOKENS,
                      lambda: _measure_int8(bits))
@@ -161,17 +161,17 @@ def onednn_slower_reason(dtype: torch.dtype) -> str | None:
     return None
 
 
-def attention_figures() -> dict:
-    """GFLOP/s of torch's SDPA and of the C++ CPU attention (float32) at ``ATTENTION_SEQUENCES``, measured once per
-    machine (~0.3 s), then read back."""
+def attention_figures(kernel) -> dict:
+    """GFLOP/s of torch's SDPA and of the C++ CPU attention ``kernel`` (``ops.attention.attention_cpu``, float32) at
+    ``ATTENTION_SEQUENCES``, measured once per machine (~0.3 s), then read back."""
     return _measured("attention", f"{torch.float32} attention", ("torch", "cpu-ext"), tuple(ATTENTION_SEQUENCES),
-                     _measure_attention)
+                     lambda: _measure_attention(kernel))
 
 
-def attention_slower_reason() -> str | None:
-    """Why the C++ CPU attention does not replace torch's SDPA here (slower at some measured size, or not measured
-    yet because the machine was busy), or None."""
-    figures = attention_figures()
+def attention_slower_reason(kernel) -> str | None:
+    """Why the C++ CPU attention ``kernel`` does not replace torch's SDPA here (slower at some measured size, or not
+    measured yet because the machine was busy), or None."""
+    figures = attention_figures(kernel)
     if "busy" in figures:
         return f"not measured yet: the machine was busy when fastbert tried ({figures['busy']})"
     for tokens, torch_gflops in figures["torch"].items():
@@ -269,11 +269,9 @@ def _measure_int8(bits: int) -> dict[str, dict[int, float]]:
 ATTENTION_SEQUENCES = {128: [128] * 8, 512: [512]}
 
 
-def _measure_attention() -> dict[str, dict[int, float]]:
+def _measure_attention(attention_cpu) -> dict[str, dict[int, float]]:
     """GFLOP/s of torch's per-sequence SDPA and of the C++ CPU attention on ``ATTENTION_SEQUENCES`` (median of 11
     after 3 warm-ups, interleaved; ~0.3 s)."""
-    from ._extension import attention_cpu
-
     generator = torch.Generator().manual_seed(0)
     figures = {"torch": {}, "cpu-ext": {}}
     with torch.inference_mode():

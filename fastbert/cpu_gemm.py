@@ -6,8 +6,8 @@ torch's ``F.linear`` on CPU runs MKL's sgemm (fp32). oneDNN, which every x86 tor
 on weights reordered once into its blocked layout and applies bias, GELU (exact erf or tanh), ReLU or a residual add
 in the GEMM's epilogue, while the output tile is still in cache. Which library is faster depends on the CPU (seen:
 oneDNN 1.05-1.3x MKL on one AMD EPYC with AVX-512, about 2x on another), so ``cpu.gemm_figures`` times both on
-bert-base-sized GEMMs of a small and a large batch, once per machine, and dispatch keeps oneDNN only where it wins
-both (``fastbert.info()`` shows the figures).
+bert-base-sized GEMMs of a small and a large batch, once per machine, and the GEMM op (``ops/gemm.py``) keeps
+oneDNN only where it wins both (``fastbert.info()`` shows the figures).
 
 Numerics: fp32 accumulation in both; the epilogue applies to the fp32 accumulator before the output is rounded, so in
 bf16 the bias, residual and activation see one rounding fewer than ``F.linear`` followed by torch ops.
@@ -18,15 +18,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .kernels.activation import activation_ref
+from .kernels.activation import ACTIVATIONS, activation_ref
 
-# HF activation name -> oneDNN (attr, algorithm); the tanh GELU is the formula "gelu_new" and "gelu_pytorch_tanh" use.
-EPILOGUES = {
-    "gelu": ("gelu", "none"),
-    "gelu_new": ("gelu", "tanh"),
-    "gelu_pytorch_tanh": ("gelu", "tanh"),
-    "relu": ("relu", ""),
-}
+# Activation kind (kernels/activation.py's ACTIVATIONS) -> oneDNN's epilogue (attr, algorithm).
+EPILOGUE_KINDS = {"gelu_erf": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
+# HF activation name -> oneDNN's epilogue, for the names whose kind it computes.
+EPILOGUES = {name: EPILOGUE_KINDS[kind] for name, kind in ACTIVATIONS.items() if kind in EPILOGUE_KINDS}
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -93,4 +90,3 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, act
         return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), packed, bias, "add")
     attr, algorithm = EPILOGUES[activation] if activation is not None else ("none", "")
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, [], algorithm)
-

@@ -81,8 +81,10 @@ def fingerprint(params: tuple[torch.Tensor, ...]) -> int | None:
     if not params or any(p.device.type != "cpu" for p in params):
         return None
     snapshots = [p.detach() for p in params]  # hold each storage while it is read, whatever another thread does
-    if _extension.has_fingerprint() and all(t.is_contiguous() for t in snapshots):
-        return _extension.fingerprint(snapshots)
+    native = _extension._C
+    if native is not None and hasattr(native, "fingerprint") and all(t.is_contiguous() for t in snapshots):
+        # (csrc/fingerprint.h: the same sampled words, hashed without a Python object per word)
+        return native.fingerprint([t.data_ptr() for t in snapshots], [t.numel() * t.element_size() for t in snapshots])
     return hash(tuple(_sampled(t) for t in snapshots))
 
 

@@ -1,41 +1,48 @@
-"""The one place that decides which implementation runs each op.
+"""The one place that decides which implementation runs an op: a loop over the backends the op declares.
 
-Backends, fastest first:
-- ``cuda-ext`` / ``cpu-ext``: the ``fastbert._C`` extension (the embedding op; on CPU also float32 attention);
-- ``triton``: the kernels in ``fastbert.kernels`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
-- ``onednn``: the CPU GEMMs (op ``gemm``) through oneDNN with prepacked weights and fused epilogues
-  (``kernels/cpu_gemm.py``), where it is measured faster than torch's ``F.linear`` on this CPU;
-- ``torch``: plain PyTorch (the reference ops, SDPA for attention). Always applies; it is also what runs when
-  autograd needs gradients (the fused kernels are forward-only), dropout is active, or an activation has no kernel.
+Each op's module declares its backends as data, fastest first, and registers them here:
 
-``FASTBERT_BACKEND=auto|torch|triton`` overrides the choice; ``FASTBERT_BACKEND=torch`` also keeps the GEMMs on
-``F.linear``, and ``FASTBERT_CPU_GEMM=auto|onednn|torch`` picks the CPU GEMM library alone;
-``FASTBERT_CPU_INT8=auto|on|off`` runs a quantized model's GEMMs in int8 where measured faster, wherever they run,
-or never (``int8.py``). The environment is read
-once, at the first forward (``reload_settings()`` reads it again): an op's choice then costs one dict lookup.
-Each backend states why it does not apply; ``fastbert.info()`` reports those reasons, and the first time a faster
-backend is skipped for a reason other than the user's own choice, a warning says why.
+    BACKENDS = dispatch.register("layer_norm", [
+        Backend("triton", run=..., unavailable=triton_unavailable, why_not=needs_reference_or_plain),
+        Backend("torch", run=...),                      # always applies: transformers' own modules and torch ops
+    ])
+    decision = dispatch.decide("layer_norm", BACKENDS, call)     # ``call``: this call's modules and tensor facts
+    decision(x, residual)                                        # runs the chosen backend
+
+A backend states why it cannot run, twice: ``unavailable(device, dtype)`` for what the machine, the build and the
+settings rule out (an extension not built for this GPU, a dtype without a kernel, a library measured slower here),
+and ``why_not(call)`` for what this call's inputs rule out (gradients, dropout, a module wrapped by PEFT or hooks, a
+head dim past the kernel's limit, an activation without a kernel). ``decide`` takes the first backend without a
+reason; it reads nothing but its arguments and the settings, and changes nothing. The forward's plan (``plan.py``)
+keeps each decision, a named backend with its call, while nothing it read has changed.
+
+Settings: ``FASTBERT_BACKEND=auto|torch|triton`` (``torch`` runs every op's ``torch`` backend; ``triton`` prefers the
+``triton`` backend wherever an op has one and it can run), ``FASTBERT_CPU_GEMM=auto|onednn|torch`` and
+``FASTBERT_CPU_INT8=auto|on|off`` (read by the GEMM backends). The environment is read once, at the first forward
+(``reload_settings()`` reads it again). A skipped faster backend is warned once, with its reasons, unless every reason
+is a ``MeasuredChoice`` (this machine measured the other faster) or ``ByDesign`` (Triton on a CPU, where torch's ops
+are the fast path); every reason met reaches ``fastbert.info()``.
 """
 
+import dataclasses
 import importlib.util
 import os
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _extension, announce, cpu
-from . import cpu_gemm
+from . import announce
 
-OPS = ("embedding", "attention", "rotary", "layer_norm", "bias_act", "glu", "act_layer_norm", "gemm")
 ENV_BACKEND = "FASTBERT_BACKEND"
 ENV_CPU_GEMM = "FASTBERT_CPU_GEMM"
 ENV_CPU_INT8 = "FASTBERT_CPU_INT8"
-# Dtypes the C++ CPU embedding kernel was written for; fp16 on CPU has no fast path in torch either.
-_CPU_EXT_DTYPES = (torch.float32, torch.bfloat16)
-_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
+# --- settings ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     backend: str  # FASTBERT_BACKEND: auto, torch or triton
     cpu_gemm: str  # FASTBERT_CPU_GEMM: auto, onednn or torch
@@ -73,156 +80,6 @@ def reload_settings() -> None:
     _settings = None
 
 
-def requested_backend() -> str:
-    return settings().backend
-
-
-def requested_cpu_gemm() -> str:
-    """``FASTBERT_CPU_GEMM=auto|onednn|torch``: the CPU GEMM library (auto: the faster one measured here)."""
-    return settings().cpu_gemm
-
-
-def triton_interpreter() -> bool:
-    return settings().interpreter
-
-
-_TRITON_MISSING = None if importlib.util.find_spec("triton") else "triton is not installed"
-
-
-def _triton_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
-    reasons = []
-    if _TRITON_MISSING:
-        reasons.append(_TRITON_MISSING)
-    if device.type == "cpu" and not triton_interpreter():
-        reasons.append("CPU tensors run Triton only under TRITON_INTERPRET=1")
-    elif device.type not in ("cpu", "cuda"):
-        reasons.append(f"device {device.type} is not supported by Triton here")
-    if dtype not in _CUDA_DTYPES:
-        reasons.append(f"dtype {dtype} not supported")
-    return reasons
-
-
-def _ext_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
-    if device.type == "cuda":
-        reasons = list(_extension.cuda_unavailable_reasons(device))
-        if dtype not in _CUDA_DTYPES:
-            reasons.append(f"dtype {dtype} not supported")
-        return reasons
-    if device.type == "cpu":
-        reasons = list(_extension.cpu_unavailable_reasons())
-        if dtype not in _CPU_EXT_DTYPES:
-            reasons.append(f"the C++ CPU kernel takes float32/bfloat16, not {dtype}")
-        return reasons
-    return [f"device {device.type} is not supported by the extension"]
-
-
-def _attention_ext_reasons() -> list[str]:
-    """Why the C++ CPU attention does not run here: unavailable, or measured slower than SDPA on this CPU."""
-    reasons = _extension.attention_cpu_unavailable_reasons()
-    if not reasons:
-        try:
-            slower = cpu.attention_slower_reason()
-        except RuntimeError as error:  # the kernel refusing this CPU: SDPA, never a failed forward
-            return [f"the C++ CPU attention failed here: {error}"]
-        if slower:
-            reasons.append(MeasuredChoice(slower))
-    return reasons
-
-
-class MeasuredChoice(str):
-    """A reason that is this machine's measured choice between two exact implementations, not a fallback: reported
-    by ``fastbert.info()``, never warned."""
-
-
-def candidates(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, list[str]]:
-    """backend -> reasons it does not apply (empty list: it applies), fastest first, ignoring overrides."""
-    ext = "cuda-ext" if device.type == "cuda" else "cpu-ext"
-    options: dict[str, list[str]] = {}
-    if op == "gemm":
-        # The GEMMs themselves: cuBLAS through F.linear on a GPU; on CPU oneDNN with prepacked weights and fused
-        # epilogues where it is available and measured faster than torch's default (MKL) here.
-        if device.type == "cpu":
-            options["onednn"] = _onednn_reasons(dtype)
-        options["torch"] = []
-        return options
-    if op == "embedding":
-        options[ext] = _ext_reasons(device, dtype)
-    if op == "attention" and device.type == "cpu" and dtype == torch.float32:
-        # (bfloat16 takes torch's flash SDPA, which keeps its scores in float32 too)
-        options[ext] = _attention_ext_reasons()
-    if device.type == "cpu" and op != "embedding" and not triton_interpreter():
-        # On CPU, torch's own ops (oneDNN GEMMs, SDPA, fused LayerNorm) are the fast path for everything but the
-        # embedding gather; Triton runs on CPU only through its interpreter, for testing.
-        options["triton"] = ["on CPU the torch ops are the fast path (Triton only under TRITON_INTERPRET=1)"]
-    else:
-        options["triton"] = _triton_reasons(device, dtype)
-    options["torch"] = []
-    return options
-
-
-def _onednn_reasons(dtype: torch.dtype) -> list[str]:
-    reasons = cpu_gemm.unavailable_reasons(dtype)
-    requested = requested_cpu_gemm()
-    if requested == "torch":
-        reasons.append(f"{ENV_CPU_GEMM}=torch")
-    elif not reasons and requested == "auto":
-        try:
-            slower = cpu.onednn_slower_reason(dtype)
-        except RuntimeError as error:  # oneDNN refusing this CPU or dtype: keep F.linear, never fail the forward
-            return [f"oneDNN linear failed here: {error}"]
-        if slower:
-            reasons.append(slower)
-    return reasons
-
-
-def choose(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> str:
-    """Backend for ``op`` on tensors like ``tensor``. ``needs_reference`` says why this call must run the torch
-    reference ops (gradients, dropout, an activation without a kernel), if it must. A fallback from a faster backend
-    is announced (warned once, counted every time). A dict lookup after the first call with the same arguments and
-    settings (no device sync)."""
-    backend, warning = resolve(op, tensor, needs_reference)
-    if warning:
-        announce.fallback(warning)
-    return backend
-
-
-def why_reference(*tensors, dropout_p: float = 0.0) -> str | None:
-    """Why a call on ``tensors`` must run the torch reference ops instead of a fused kernel, or None."""
-    # (isinstance: a quantized module's ``weight`` is a method, an offloaded one's may be missing)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-        return ("gradients are required and the fused kernels are forward-only (same math, differentiable); "
-                "for inference wrap the call in torch.inference_mode()")
-    if dropout_p > 0:
-        return "dropout is active (train mode)"
-    return None
-
-
-def why_not_prepacked(x: torch.Tensor, weights: tuple) -> str | None:
-    """Why a CPU GEMM of ``x`` with ``weights`` cannot run on weights prepacked beside their parameters (oneDNN's
-    fp32 packing, int8), or None: compiled and exported graphs, autocast (it would not reach the packed op) and
-    torch.func transforms keep F.linear, and a weight that is not the module's parameter has no cache."""
-    if torch.compiler.is_compiling() or exporting():
-        return "compiled and exported graphs keep F.linear"
-    if torch.is_autocast_enabled("cpu") or torch._C._functorch.is_functorch_wrapped_tensor(x):
-        return "autocast and torch.func transforms run F.linear"
-    if not all(type(w) is torch.nn.Parameter for w in weights):
-        return "a weight that is not the module's parameter has no prepacked copy"
-    return None
-
-
-def resolve(op: str, tensor: torch.Tensor, needs_reference: str | None = None) -> tuple[str, str | None]:
-    """``choose``'s answer without announcing: (backend, the fallback to announce on each call that runs it, or
-    None). For callers that keep the decision and announce when they run it (``ops.py``)."""
-    if exporting() or (op == "gemm" and torch.compiler.is_compiling()):
-        return "torch", None  # exporters trace plain torch ops: no custom op reaches an ONNX or ExportedProgram graph
-    env = _settings or settings()
-    key = (op, tensor.device, tensor.dtype, needs_reference, env.backend, env.interpreter,
-           (env.cpu_gemm, torch.backends.mkldnn.enabled) if op == "gemm" else None)
-    if key not in _decisions:
-        _decisions[key] = _decide(*key)
-    return _decisions[key]
-
-
 def exporting() -> bool:
     """Whether the forward is being exported (``torch.export``, either ``torch.onnx.export``, ``torch.jit.trace``)."""
     is_exporting = getattr(torch.compiler, "is_exporting", None)
@@ -239,55 +96,171 @@ def capturing() -> bool:
     return not torch.compiler.is_compiling() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-_decisions: dict[tuple, tuple[str, str | None]] = {}  # resolve()'s key -> (backend, warning to announce)
+# --- reasons ----------------------------------------------------------------------------------------------------------
 
 
-def _decide(op, device, dtype, needs_reference, requested, interpreter, cpu_gemm) -> tuple[str, str | None]:
-    """cpu_gemm: (FASTBERT_CPU_GEMM, torch.backends.mkldnn.enabled) for the gemm op, else None."""
-    if requested == "torch":
-        return "torch", None
-    options = candidates(op, device, dtype)
-    if op == "gemm":  # FASTBERT_BACKEND=triton selects kernels for the other ops; the GEMM library is measured
-        best = next(b for b, reasons in options.items() if not reasons)
-        if needs_reference:
-            return "torch", None
-        if cpu_gemm[0] == "onednn" and best != "onednn":  # forced where it cannot run: F.linear there, said
-            return best, (f"{ENV_CPU_GEMM}=onednn, but oneDNN cannot run {dtype} GEMMs here ("
-                          + "; ".join(options["onednn"]) + "): torch's F.linear runs them")
-        # Keeping F.linear (what transformers runs) is never slower than HF nor less precise: reported by
-        # fastbert.info(), not warned.
-        return best, None
-    best = next(b for b, reasons in options.items() if not reasons)
-    if requested == "triton" and options["triton"]:  # forced where it cannot run: the best that can, said
-        return best, (f"{ENV_BACKEND}=triton, but Triton cannot run {op} on {device.type} {dtype} here ("
-                      + "; ".join(options["triton"]) + f"): {best} runs it")
-    if requested == "triton":
-        best = "triton"
-    if needs_reference and best != "torch":
-        return "torch", f"{op} runs the torch reference ops instead of {best}: {needs_reference}"
-    # On CPU, skipping Triton is the design (torch ops are the fast path there), not a fallback to report.
-    skipped = [b for b in list(options)[: list(options).index(best)] if (b != "triton" or device.type == "cuda")
-               and not all(isinstance(reason, MeasuredChoice) for reason in options[b])]
-    if requested == "auto" and skipped:
-        return best, f"{op} is not using {skipped[0]}: {'; '.join(options[skipped[0]])}"
-    return best, None
+class MeasuredChoice(str):
+    """A reason that is this machine's measured choice between two exact implementations: reported, never warned."""
+
+
+class ByDesign(str):
+    """A reason that is the design, not a fallback (Triton on a CPU, where torch's ops are the fast path)."""
+
+
+_TRITON_MISSING = None if importlib.util.find_spec("triton") else "triton is not installed"
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Why the Triton kernels cannot run tensors of this device and dtype."""
+    if device.type == "cpu" and not settings().interpreter:
+        return [ByDesign("on CPU the torch ops are the fast path (Triton only under TRITON_INTERPRET=1)")]
+    reasons = [_TRITON_MISSING] if _TRITON_MISSING else []
+    if device.type not in ("cpu", "cuda"):
+        reasons.append(f"device {device.type} is not supported by Triton here")
+    if dtype not in _FLOAT_DTYPES:
+        reasons.append(f"dtype {dtype} not supported")
+    return reasons
+
+
+def needs_reference(*tensors, dropout_p: float = 0.0) -> list[str]:
+    """Why a call on ``tensors`` must run the differentiable torch ops instead of a fused kernel ([] when it need
+    not): gradients, or active dropout."""
+    # (isinstance: a quantized module's ``weight`` is a method, an offloaded one's may be missing)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        return ["gradients are required and the fused kernels are forward-only (same math, differentiable); for "
+                "inference wrap the call in torch.inference_mode()"]
+    if dropout_p > 0:
+        return ["dropout is active (train mode)"]
+    return []
+
+
+# --- backends and decisions -------------------------------------------------------------------------------------------
+
+
+def _never(*_) -> list[str]:
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One way to run an op. ``run(call, *tensors)``; ``unavailable(device, dtype)`` and ``why_not(call)`` give the
+    reasons it cannot (empty lists: it can). ``devices`` and ``dtypes`` (None: any) say where it exists at all (a
+    C++ CPU kernel is no candidate for a GPU tensor, and no reason is given for it there). ``opt_in``: it runs only
+    calls that asked for it (the Linears ``fastbert.quantize`` chose), so it is never what a device and dtype run by
+    default (``report``)."""
+
+    name: str
+    run: Callable
+    unavailable: Callable[[torch.device, torch.dtype], list[str]] = _never
+    why_not: Callable[[object], list[str]] = _never
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    opt_in: bool = False
+
+    def exists_for(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return (self.devices is None or device.type in self.devices) and (self.dtypes is None or dtype in self.dtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The backend an op runs for one call site, with that call's facts; called with the tensors."""
+
+    op: str
+    backend: Backend
+    call: object
+    warning: str | None = None
+
+    def __call__(self, *tensors):
+        if self.warning is not None:
+            announce.fallback(self.warning)  # (warned once, counted each call)
+        return self.backend.run(self.call, *tensors)
+
+
+_registry: dict[str, tuple[Backend, ...]] = {}  # op -> its backends, fastest first
+_seen: dict[str, dict[str, tuple[str, ...]]] = {}  # op -> backend -> the input-dependent reasons last met
+_seen_lock = threading.Lock()
+
+
+def register(op: str, backends: Sequence[Backend]) -> tuple[Backend, ...]:
+    """Declare ``op``'s backends, fastest first; the last must always apply (``torch``). Returns them."""
+    backends = tuple(backends)
+    if not backends or backends[-1].name != "torch":
+        raise ValueError(f"{op}: the last backend must be 'torch', which always applies")
+    _registry[op] = backends
+    return backends
+
+
+def decide(op: str, backends: Sequence[Backend], call) -> Decision:
+    """The first of ``backends`` that can run ``call`` (which has ``device`` and ``dtype``), as the settings allow."""
+    requested = settings().backend
+    if requested == "torch" or exporting():
+        # (exporters trace plain torch ops: no custom op reaches an ONNX graph or an ExportedProgram)
+        return Decision(op, backends[-1], call)
+    if requested == "triton":  # (Triton first, where the op has it)
+        backends = sorted(backends, key=lambda backend: backend.name != "triton")
+    reasons: dict[str, list[str]] = {}
+    chosen = None
+    for backend in backends:
+        if not backend.exists_for(call.device, call.dtype):
+            continue
+        static = _unavailable(op, backend, call.device, call.dtype)
+        dynamic = backend.why_not(call) if not static else []
+        if dynamic and not all(isinstance(reason, ByDesign) for reason in dynamic):
+            with _seen_lock:
+                _seen.setdefault(op, {})[backend.name] = tuple(dynamic)
+        if not static and not dynamic:
+            chosen = backend
+            break
+        reasons[backend.name] = static + dynamic
+    if requested == "triton" and "triton" in reasons:  # forced where it cannot run: the best that can, said
+        return Decision(op, chosen, call, f"{ENV_BACKEND}=triton, but Triton cannot run {op} on "
+                                          f"{call.device.type} {call.dtype} here ({'; '.join(reasons['triton'])}): "
+                                          f"{chosen.name} runs it")
+    skipped = [(name, why) for name, why in reasons.items()
+               if not all(isinstance(reason, (MeasuredChoice, ByDesign)) for reason in why)]
+    warning = f"{op} is not using {skipped[0][0]}: {'; '.join(skipped[0][1])}" if skipped else None
+    return Decision(op, chosen, call, warning)
+
+
+_static: dict[tuple, list[str]] = {}  # what eager calls found each backend's ``unavailable`` to say, for compiled ones
+
+
+def _unavailable(op: str, backend: Backend, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """``backend.unavailable(device, dtype)``; while torch.compile traces, what an eager call found it to say (a graph
+    traces no store read or library query; without an eager call before, it is asked, as eagerly)."""
+    current = settings()
+    key = (op, backend.name, device.type, device.index, dtype, current.backend, current.cpu_gemm, current.cpu_int8,
+           current.interpreter, torch.backends.mkldnn.enabled)
+    if torch.compiler.is_compiling():
+        return _static[key] if key in _static else backend.unavailable(device, dtype)
+    _static[key] = reasons = backend.unavailable(device, dtype)
+    return reasons
 
 
 def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """(op -> backend that runs, op -> why faster backends were skipped) for tensors of this device and dtype."""
+    """(op -> the backend it runs on tensors of this device and dtype, op -> why faster backends were skipped: what
+    the machine, build and settings rule out, and the input-dependent reasons met in this process)."""
+    requested = settings().backend
     backends, reasons = {}, {}
-    requested = requested_backend()
-    for op in OPS:
-        options = candidates(op, device, dtype)
+    for op, declared in _registry.items():
         if requested == "torch":
             backends[op], reasons[op] = "torch", [f"{ENV_BACKEND}=torch"]
             continue
-        if requested == "triton" and op != "gemm" and not options["triton"]:
-            backends[op], reasons[op] = "triton", [f"{ENV_BACKEND}=triton"]
-            continue
-        order = list(options)
-        chosen = next(b for b in order if not options[b])
+        order = [(b.name, b.unavailable(device, dtype)) for b in declared
+                 if not b.opt_in and b.exists_for(device, dtype)]
+        if requested == "triton":
+            order.sort(key=lambda item: item[0] != "triton" or bool(item[1]))
+        chosen = next(name for name, why in order if not why)
         backends[op] = chosen
-        reasons[op] = [f"{b}: {'; '.join(options[b])}" for b in order[: order.index(chosen)]]
+        reasons[op] = [f"{name}: {'; '.join(why)}" for name, why in order[: [n for n, _ in order].index(chosen)]]
+    with _seen_lock:
+        for op, met in _seen.items():
+            reasons.setdefault(op, [])
+            reasons[op] += [f"{name} (some calls): {'; '.join(why)}" for name, why in met.items()]
     return backends, reasons
 
+
+def ops() -> tuple[str, ...]:
+    """The ops declared so far (every op of the fused layers once ``fastbert`` is imported)."""
+    return tuple(_registry)

@@ -33,7 +33,7 @@ import threading
 
 import torch
 
-from . import announce, derived, dispatch, padding
+from . import announce, compat, derived, dispatch, inputs, padding
 from .kernels._common import direct_launch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -111,9 +111,9 @@ class GraphSet:
             if why:
                 announce.fallback(f"cuda_graphs: {why}: the call runs without a CUDA graph")
             return None
-        inputs = {name: kwargs.get(name) for name in (*_GRAPHED, *_EAGER_INPUTS)}
+        given = {name: kwargs.get(name) for name in (*_GRAPHED, *_EAGER_INPUTS)}
         with torch.no_grad():
-            indices, layout = model._prepare(inputs, unpad=False)  # the eager checks; [3, B*S], dense layout
+            indices, layout = inputs.prepare(model, given, unpad=False)  # the eager checks; [3, B*S], dense layout
         # Buffers and graphs outside inference mode (a later call may come without it), never recording gradients.
         with self.lock, torch.inference_mode(False), torch.no_grad():
             if self.state is not None and self._weights_state() != self.state:
@@ -179,8 +179,6 @@ class GraphSet:
 
     def _why_eager(self, model, kwargs: dict) -> str | None:
         """Why this call cannot replay a graph ("" when it is expected and not worth a warning), or None."""
-        from .modeling import _flag, _selected_states
-
         word = model.get_input_embeddings().weight
         if dispatch.capturing() or dispatch.exporting() or not direct_launch(word):
             return ""  # (tracing, fake tensors, torch.func, or the user's own capture: the eager ops)
@@ -192,7 +190,8 @@ class GraphSet:
             return "gradients are required (call under torch.inference_mode() or torch.no_grad())"
         given = [name for name in _EAGER_INPUTS if kwargs.get(name) is not None]
         config = model.config
-        if _selected_states(_flag(kwargs, "output_hidden_states", config), config.num_hidden_layers) is not None:
+        if compat.selected_states(compat.flag(kwargs, "output_hidden_states", config),
+                                  config.num_hidden_layers) is not None:
             given.append("output_hidden_states")
         if given:
             return f"{', '.join(given)} given"
@@ -218,7 +217,7 @@ class StaticForward:
         self.mask = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
 
     def feed(self, indices: torch.Tensor, layout: padding.TokenLayout) -> None:
-        """indices [3, B*S (+ spare rows)] and the call's dense layout (``FusedModel._prepare``), B and S within the
+        """indices [3, B*S (+ spare rows)] and the call's dense layout (``inputs.prepare``), B and S within the
         bucket."""
         batch, seq_len = layout.batch, layout.seq_len
         self.indices.zero_()  # the bucket's padding: valid ids, masked out
@@ -232,7 +231,7 @@ class StaticForward:
 
     def forward(self, model):
         batch, seq_len = self.mask.shape
-        return model._encode(self.indices.view(3, -1), padding.dense_layout(batch, seq_len, self.mask))
+        return model.run_encoder(self.indices.view(3, -1), padding.dense_layout(batch, seq_len, self.mask))
 
 
 class _Graph:
@@ -255,7 +254,7 @@ class _Graph:
                 self.output = self.static.forward(model)
 
     def replay(self, model, indices: torch.Tensor, layout: padding.TokenLayout):
-        """indices [3, B*S] and the dense layout of the call (``FusedModel._prepare``) -> the output, sliced to
+        """indices [3, B*S] and the dense layout of the call (``inputs.prepare``) -> the output, sliced to
         [B, S] and copied out of the graph's memory."""
         batch, seq_len = layout.batch, layout.seq_len
         self.static.feed(indices, layout)

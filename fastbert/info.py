@@ -12,9 +12,9 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, cpu, dispatch, int8, threads, validation
+from . import __version__, _extension, announce, cpu, dispatch, int8, int8_decisions, threads, validation
+from .ops import attention
 from .optimize import reports as optimize_reports
-from .quantize import reports as quantize_reports
 
 
 def _version(package: str) -> str | None:
@@ -47,8 +47,8 @@ def info() -> dict:
         "cuda_ptx": ext.get("ptx"),
         "ext_cuda_skipped_because": ext.get("cuda_skip_reason"),
         "ext_error": ext.get("error"),
-        "requested_backend": dispatch.requested_backend(),
-        "triton_interpret": dispatch.triton_interpreter(),
+        "requested_backend": dispatch.settings().backend,
+        "triton_interpret": dispatch.settings().interpreter,
         "input_checks": validation.input_checks_enabled(),
         # The CPU: its name, the instruction sets that decide the fast paths, whether bf16 is native here.
         "cpu": {**cpu.identity(), "native_bf16": cpu.native_bf16()},
@@ -56,19 +56,19 @@ def info() -> dict:
         "threads": threads.report(),
         # The C++ CPU attention (float32 inference): the instruction sets it runs with here, or why it does not, and
         # its GFLOP/s against torch's SDPA as measured on this CPU (once per machine, at the first CPU forward).
-        "cpu_attention": {"isas": _extension.attention_cpu_isas(),
-                          "unavailable": _extension.attention_cpu_unavailable_reasons(),
+        "cpu_attention": {"isas": attention.attention_cpu_isas(),
+                          "unavailable": attention.attention_cpu_unavailable_reasons(),
                           "measured_gflops": cpu.attention_figures_so_far()},
         # CPU GEMM library: FASTBERT_CPU_GEMM, and what was measured on this CPU (GFLOP/s per token count, once per
         # machine and dtype; "source": measured now, or the file that holds this machine's figures).
         "cpu_gemm": {
-            "requested": dispatch.requested_cpu_gemm(),
+            "requested": dispatch.settings().cpu_gemm,
             "onednn_margin": cpu.ONEDNN_MARGIN,
             "measured_gflops": {str(d).removeprefix("torch."): g for d, g in cpu.gemm_figures_so_far().items()},
         },
         # CPU int8 (fastbert.quantize): whether it runs here and on which ISA path, the measured GFLOP/s, and what
         # each quantize() call decided, with its guard's figures and the layers it kept in float32.
-        "int8": {**int8.report(), "models": quantize_reports()},
+        "int8": {**int8.report(), "models": int8_decisions.reports()},
         "backends": backends,
         "reasons": reasons,
         # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,

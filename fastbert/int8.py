@@ -1,6 +1,6 @@
 """Int8 GEMMs at run time: which Linears run them, over which rows the activation range is taken, and whether int8
-runs on this CPU at all. ``fastbert.quantize`` (``quantize.py``) chooses the Linears; the GEMM ops (``ops.py``,
-``gated_mlp.py``) ask ``gemm`` / ``stacked_gemm`` here for a runner and fall back to fp32 where they get None.
+runs on this CPU at all. ``fastbert.quantize`` (``quantize.py``) chooses the Linears; the GEMM op's ``int8`` backend
+(``ops/gemm.py``) runs them, where this module says int8 runs.
 
 - A Linear chosen for int8 carries a ``Choice`` (weight bits, SmoothQuant divisor) in its ``__dict__``: no parameter
   or buffer, so state_dict, ``save_pretrained`` and the fp32 weights are untouched. Its quantized weight is a cache
@@ -21,8 +21,7 @@ import threading
 import torch
 from torch import nn
 
-from . import announce, cpu, derived, dispatch, plan
-from . import int8_linear
+from . import cpu, derived, dispatch, int8_linear, plan
 
 ATTRIBUTE = "_fastbert_int8"  # on a chosen nn.Linear: its Choice
 CONFIG_KEY = "fastbert_int8"  # in an encoder's config: its Choices, saved and loaded with the checkpoint
@@ -154,26 +153,9 @@ def unavailable_reasons() -> list[str]:
     return reasons
 
 
-def _why_not(x: torch.Tensor, weights: tuple) -> str | None:
-    """Why this call of a chosen GEMM runs in fp32, or None."""
-    why = dispatch.why_not_prepacked(x, weights)
-    if why is not None:
-        return why
-    if x.dtype != torch.float32 or any(w.dtype != torch.float32 for w in weights):
-        return f"int8 GEMMs take a float32 model, not {x.dtype}"
-    reasons = unavailable_reasons()
-    return "; ".join(reasons) if reasons else None
-
-
 def runs_in(model: nn.Module) -> bool:
     """Whether some Linear of ``model`` runs its GEMM in int8 here (chosen by ``fastbert.quantize``, int8 available)."""
     return any(chosen(m) is not None for m in model.modules()) and not unavailable_reasons()
-
-
-def training_fallback(linear: nn.Module) -> None:
-    """A chosen Linear runs in fp32 because gradients are needed or dropout is active: said once."""
-    if chosen(linear) is not None:
-        announce.fallback("int8 GEMMs run in float32 where gradients are required or dropout is active (training)")
 
 
 # --- the rows that are tokens ---------------------------------------------------------------------------------------
@@ -228,7 +210,8 @@ class recording:
         _recording.absmax = self.outer
 
 
-def _record(linears: tuple[nn.Linear, ...], x: torch.Tensor) -> None:
+def record(linears: tuple[nn.Module, ...], x: torch.Tensor) -> None:
+    """While ``recording``: the largest |x| of each input channel over the real tokens, kept per Linear."""
     absmax = getattr(_recording, "absmax", None)
     if absmax is None:
         return
@@ -236,56 +219,6 @@ def _record(linears: tuple[nn.Linear, ...], x: torch.Tensor) -> None:
     seen = (x[:rows] if isinstance(rows, int) else x.index_select(0, rows)).abs().amax(dim=0)  # [in]
     for linear in linears:
         absmax[linear] = seen if linear not in absmax else torch.maximum(absmax[linear], seen)
-
-
-# --- runners --------------------------------------------------------------------------------------------------------
-
-
-def gemm(x: torch.Tensor, dense: nn.Linear, activation: str | None = None):
-    """A runner of act(dense(x)), or dense(x) + residual (``run(x, residual)``), in int8; None where ``dense`` is
-    not chosen or int8 does not run this call (said once). ``dense``: a plain nn.Linear, no gradient needed."""
-    choice = chosen(dense)
-    if choice is None or not _runs(x, (dense.weight,)):
-        return None
-
-    def run(x, residual=None):
-        _record((dense,), x)
-        weight = derived.cached(dense, "int8_weight", (dense.weight,), _quantizer(choice))
-        return int8_linear.linear(x, weight, dense.bias, activation, residual, real_rows(x), choice.per_token)
-
-    return run
-
-
-def stacked_gemm(x: torch.Tensor, owner: nn.Linear, linears: tuple[nn.Linear, ...], parameters, stack):
-    """A runner of the GEMM of ``linears`` side by side (QKV; GLU's up and gate) in int8, or None (as ``gemm``).
-    ``parameters()``: their stacked parameters now; ``stack(*parameters)``: (weight, bias) stacked; the quantized
-    weight is cached on ``owner``. The linears share their input, so the first one's choice applies to all."""
-    choice = chosen(owner)
-    if choice is None or any(chosen(m) is None for m in linears) or not _runs(x, tuple(m.weight for m in linears)):
-        return None
-    quantize = _quantizer(choice)
-
-    def build(*params):
-        weight, bias = stack(*params)
-        return quantize(weight), bias
-
-    def run(x):
-        _record(linears, x)
-        weight, bias = derived.cached(owner, "int8_stacked", parameters(), build)
-        return int8_linear.linear(x, weight, bias, rows=real_rows(x), per_token=choice.per_token)
-
-    return run
-
-
-def _runs(x: torch.Tensor, weights: tuple) -> bool:
-    why = _why_not(x, weights)
-    if why is not None:
-        announce.fallback(f"int8 GEMMs run in float32: {why}")
-    return why is None
-
-
-def _quantizer(choice: Choice):
-    return lambda weight: int8_linear.quantize_weight(weight, choice.bits, choice.smooth)
 
 
 def report() -> dict:

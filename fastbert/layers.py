@@ -13,15 +13,20 @@ container), every module still has HF's exact ``forward``.
         h   = act(x @ Wi + bi)                                               FusedIntermediate
         x   = LayerNorm(h @ Wo2 + bo2 + x)                                   FusedDenseResidualLayerNorm
 
-These mixins read BERT's module names, which RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA share: ``fused_classes``
-builds a family's classes from them. A family with other names (DistilBERT) writes its own small mixins on the same
-ops (``fastbert/models/distilbert.py``).
+These mixins read BERT's module names, which RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA share; each family writes
+out its classes over them (``fastbert/models/bert.py``) and maps transformers' classes to its own with ``fused_map``.
+A family with other names (DistilBERT) writes its own small mixins on the same ops (``fastbert/models/distilbert.py``).
+Every layer's ``fused`` takes the activations, the layout (where the rows sit) and the positions (what the family
+derived from them: rotary tables, a relative bias).
 """
 
 import torch
 from torch import nn
 
-from . import derived, ops, padding, plain, plan
+from . import derived, padding, plain, plan
+from .ops import activation, embedding, gemm, norm
+from .ops.attention import attention
+from .positions import Positions
 
 
 class Fused:
@@ -62,55 +67,56 @@ class FusedEmbeddings(Fused):
 
     def fused(self, indices: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """indices [3, N] (word, token type, position) -> [N, hidden]."""
-        return ops.embedding(indices, self, inputs_embeds)
+        return embedding.embedding(indices, self, inputs_embeds)
 
 
 class FusedSelfAttention(Fused):
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
         """[N, hidden] -> attention context [N, hidden]."""
-        qkv = ops.qkv_projection(self.query, self.key, self.value, x)  # [N, 3 * hidden]
+        qkv = gemm.stacked(x, (self.query, self.key, self.value))  # [N, 3 * hidden]
         p = self.dropout.p if self.training else 0.0
-        return ops.attention(qkv, layout, self.num_attention_heads, p)
+        return attention(qkv, layout, self.num_attention_heads, p, relative_bias=positions.relative_bias)
 
 
 class FusedDenseResidualLayerNorm(Fused):
     """LayerNorm(dropout(dense(hidden)) + residual): the shape of both BertSelfOutput and BertOutput."""
 
     def fused(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return ops.dense_residual_layer_norm(hidden, residual, self.dense, self.dropout, self.LayerNorm)
+        return norm.dense_residual_layer_norm(hidden, residual, self.dense, self.dropout, self.LayerNorm)
 
 
 class FusedAttention(Fused):
     bypassed = ("self", "output")
 
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
-        return self.output.fused(self.self.fused(x, layout), x)
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
+        return self.output.fused(self.self.fused(x, layout, positions), x)
 
 
 class FusedIntermediate(Fused):
     def fused(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.dense_act(x, self.dense, self.intermediate_act_fn)
+        return activation.dense_act(x, self.dense, self.intermediate_act_fn)
 
 
 class FusedLayer(Fused):
     bypassed = ("attention", "intermediate", "output")
 
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
-        x = self.attention.fused(x, layout)
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
+        x = self.attention.fused(x, layout, positions)
         return self.output.fused(self.intermediate.fused(x), x)
 
 
 class FusedEncoder(Fused):
     bypassed = ("layer",)
 
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, keep: set[int] | None):
-        return run_layers(self, self.layer, x, layout, keep)
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions, keep: set[int] | None):
+        return run_layers(self, self.layer, x, layout, positions, keep)
 
 
-def run_layers(owner: nn.Module, layers, x: torch.Tensor, layout: padding.TokenLayout, keep: set[int] | None):
-    """x [N, hidden] through each of ``layers`` (``fused(x, layout)``) -> (last [N, hidden], [B, S, hidden] inputs of
-    the layers whose index is in ``keep``). ``owner``: the module holding the layers (the encoder, or the model where
-    the layers sit on it directly), whose gradient checkpointing flag applies.
+def run_layers(owner: nn.Module, layers, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions,
+               keep: set[int] | None):
+    """x [N, hidden] through each of ``layers`` (``fused(x, layout, positions)``) -> (last [N, hidden], [B, S,
+    hidden] inputs of the layers whose index is in ``keep``). ``owner``: the module holding the layers (the encoder,
+    or the model where the layers sit on it directly), whose gradient checkpointing flag applies.
 
     ``keep``: layer indices (0 = the embeddings) whose input to return, None for none; the list has one entry per
     layer, None where not kept. A kept state is the tensor the layer reads (through a view or a gather), so gradients
@@ -121,7 +127,7 @@ def run_layers(owner: nn.Module, layers, x: torch.Tensor, layout: padding.TokenL
         if keep is not None:
             states.append(padding.unpack(x, layout) if i in keep else None)  # [B, S, hidden]
             x = x if states[-1] is None else padding.pack(states[-1], layout)
-        x = _checkpointed(owner, layer)(x, layout)
+        x = _checkpointed(owner, layer)(x, layout, positions)
     return x, states
 
 
@@ -130,7 +136,7 @@ def _checkpointed(encoder, layer):
     (transformers 5 flags each layer, 4.x the encoder) and the model trains with gradients."""
     owner = layer if getattr(layer, "gradient_checkpointing", False) else encoder
     if getattr(owner, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
-        return lambda x, layout: owner._gradient_checkpointing_func(layer.fused, x, layout)
+        return lambda x, layout, positions: owner._gradient_checkpointing_func(layer.fused, x, layout, positions)
     return layer.fused
 
 
@@ -144,8 +150,8 @@ class FusedPredictionHeadTransform(Fused):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        x = ops.dense_act_layer_norm(x, self.dense, getattr(self, self.activation_name),
-                                     getattr(self, self.layer_norm_name))
+        x = norm.dense_act_layer_norm(x, self.dense, getattr(self, self.activation_name),
+                                      getattr(self, self.layer_norm_name))
         return x.view(*hidden_states.shape[:-1], x.shape[-1])
 
 
@@ -168,37 +174,28 @@ def bypassed_hook(module: nn.Module) -> nn.Module | None:
     return None
 
 
-# transformers' class-name suffix -> the mixin that fuses it, for BERT-shaped families (class ``{prefix}{suffix}``).
-BERT_SHAPED = {
-    "Embeddings": FusedEmbeddings,
-    "SelfAttention": FusedSelfAttention,
-    "SelfOutput": FusedDenseResidualLayerNorm,
-    "Attention": FusedAttention,
-    "Intermediate": FusedIntermediate,
-    "Output": FusedDenseResidualLayerNorm,
-    "Layer": FusedLayer,
-    "Encoder": FusedEncoder,
-    # transformers 4.x: one self-attention class per attention implementation; its model forward builds the mask for
-    # that class (sdpa: causality from ``is_causal``), so each keeps its own class under the mixin.
-    "SdpaSelfAttention": FusedSelfAttention,
-    "FlashAttention2": FusedSelfAttention,
-}
+def transformers4_variants(hf_module, names: tuple[str, ...], mixin: type, namespace: dict) -> dict[type, type]:
+    """transformers 4.x's per-implementation attention classes (``BertSdpaSelfAttention``,
+    ``DistilBertFlashAttention2``, ...), which 5.x does not have: for each of ``names`` that ``hf_module`` defines,
+    ``class Name(mixin, hf.Name)`` is put in ``namespace`` (the family module's globals) -> ``fused_map`` of them.
+    4.x's model forward builds the mask for the implementation's class, so each keeps its own class under the
+    mixin."""
+    classes = []
+    for name in names:
+        theirs = getattr(hf_module, name, None)
+        if theirs is not None:
+            namespace[name] = type(name, (mixin, theirs), {"__module__": namespace["__name__"]})
+            classes.append(namespace[name])
+    return fused_map(*classes)
 
 
-def fused_classes(hf_module, prefix: str, mixins: dict[str, type], namespace: dict) -> dict[type, type]:
-    """transformers' class -> ours, ``class {prefix}{suffix}(mixin, hf_module.{prefix}{suffix})`` for each suffix of
-    ``mixins`` that ``hf_module`` defines. Each class is also put in ``namespace`` (the family module's globals) under
-    transformers' name, so it pickles and reads as ``fastbert.models.<family>.<Name>``.
-
-    Exact classes only: a subclass someone wrote may behave differently, so it keeps its own forward (and the model
-    runs transformers' implementation).
-    """
-    classes = {}
-    for suffix, mixin in mixins.items():
-        theirs = getattr(hf_module, prefix + suffix, None)
-        if theirs is None:
-            continue
-        ours = type(theirs.__name__, (mixin, theirs), {"__module__": namespace["__name__"]})
-        namespace[theirs.__name__] = ours
-        classes[theirs] = ours
-    return classes
+def fused_map(*classes: type) -> dict[type, type]:
+    """transformers' class -> ours, for fastbert classes written ``class Ours(FusedMixin, hf.Theirs)``: what
+    ``optimize`` and ``FusedModel.__init__`` swap in. Exact classes only: a subclass someone wrote may behave
+    differently, so it keeps its own forward (and the model runs transformers' implementation)."""
+    mapping = {}
+    for ours in classes:
+        theirs = next(base for base in ours.__mro__[1:] if not issubclass(base, Fused) and base.__module__.startswith(
+            "transformers."))
+        mapping[theirs] = ours
+    return mapping

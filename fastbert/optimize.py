@@ -15,7 +15,7 @@ import warnings
 from torch import nn
 from transformers import PreTrainedModel
 
-from . import announce, modeling
+from . import announce, compat, int8_decisions, modeling
 from .models import HEAD_CLASSES, MODEL_CLASSES
 
 logger = logging.getLogger("fastbert")
@@ -50,9 +50,9 @@ def accelerate(model: nn.Module, apply_saved_int8: bool = True) -> tuple[list[st
     saved with the checkpoint by ``fastbert.quantize`` is applied (``apply_saved_int8``)."""
     accelerated, left, heads = _swap(model)
     if apply_saved_int8 and accelerated:
-        from .quantize import apply_saved  # (quantize builds on optimize)
-
-        apply_saved(model)
+        saved = [m for m in model.modules() if isinstance(m, modeling.FusedModel) and int8_decisions.has_saved(m)]
+        if saved:
+            int8_decisions.apply_saved(model, saved)
     if accelerated or heads:
         report = (f"{type(model).__name__}: accelerated {', '.join(accelerated) or 'no encoder'}"
                   + (f" and {heads} MLM head transform(s)" if heads else ""))
@@ -72,7 +72,7 @@ def _swap(model: nn.Module) -> tuple[list[str], list[str], int]:
             continue
         label = f"{name or type(model).__name__} ({type(module).__name__})"
         ours = MODEL_CLASSES.get(type(module), type(module) if isinstance(module, modeling.FusedModel) else None)
-        why = modeling.why_not_accelerated(module.config)
+        why = compat.why_not_accelerated(module.config)
         if why or ours is None:
             reason = why or f"{type(module).__name__} is a subclass fastbert does not know"
             left.append(label)

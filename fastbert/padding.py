@@ -25,13 +25,10 @@ class TokenLayout:
     Packed: N = total real tokens in mask order; ``indices`` [N] int64 into the flattened [B * S];
     ``cu_seqlens`` [B + 1] int32 (sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]); ``seqlens`` the same on host.
     ``spare_rows``: rows after the N tokens that carry nothing (the activations are [N + spare_rows, hidden]).
-    ``rotary``: in a rotary-position model, {table name: each row's (cos, sin), float32 [N + spare_rows, head_dim / 2]
-    each} (``fastbert/rotary.py``; ModernBERT has one table per attention type), built once per forward from the
-    rows' positions and read by every layer.
     ``columns``: packed layout of a model with windowed attention or relative positions, whose mask has holes (or
     whose holes were not looked for: GPU, compiled): [N] int32, each token's column in [0, S) (those distances are
     between columns, as in transformers; holes in the mask make them differ from distances between packed rows).
-    ``relative_bias``: MPNet's relative-position bias by distance, float32 [H, 2R + 1], built once per forward.
+    Geometry only: what positions mean to a model (rotary tables, a relative bias) is ``positions.Positions``.
     """
 
     batch: int
@@ -42,9 +39,7 @@ class TokenLayout:
     seqlens: tuple[int, ...] | None = None
     key_bounds: torch.Tensor | None = None
     spare_rows: int = 0
-    rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     columns: torch.Tensor | None = None
-    relative_bias: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:

@@ -1,9 +1,9 @@
 """A forward's decisions, kept for the next forward while nothing they depend on has changed.
 
-Each fused op decides how it runs (``ops.py``): which backend, whether its modules are plain enough to read their
-weights directly, whether autograd needs the reference ops. A decision reads dozens of attributes and settings, and
-a bert-base forward has ~100 ops: deciding again on every call cost more host time than the ops themselves at small
-batches. So a model forward first reads, once, everything those decisions depend on:
+Each fused op decides how it runs (``ops/``, through ``dispatch.decide``): which backend, whether its modules are
+plain enough to read their weights directly, whether autograd needs the reference ops. A decision reads dozens of
+attributes and settings, and a bert-base forward has ~100 ops: deciding again on every call cost more host time
+than the ops themselves at small batches. So a model forward first reads, once, everything those decisions depend on:
 
 - the module tree, walked from the model: each module's class, children, parameters (by id, class and
   ``requires_grad``), hooks (by handle), ``forward`` replaced on the instance, training flag and dropout

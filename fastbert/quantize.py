@@ -16,24 +16,16 @@ embeddings stay what they were.
    ``texts``.
 
 What was decided, with the guard's figures and the layers kept in float32, is logged on the ``fastbert`` logger (INFO)
-and listed in ``fastbert.info()["int8"]["models"]``.
+and listed in ``fastbert.info()["int8"]["models"]`` (``int8_decisions.py``).
 """
-
-import collections
-import logging
-import threading
 
 import torch
 from torch import nn
 
 from . import announce, int8, modeling
 from . import guard as int8_guard
+from .int8_decisions import apply_saved, record
 from .optimize import accelerate
-
-logger = logging.getLogger("fastbert")
-
-_lock = threading.Lock()
-_reports = collections.deque(maxlen=32)
 
 
 def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = None, tokenizer=None,
@@ -53,14 +45,14 @@ def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = 
     if reasons:
         announce.fallback(f"quantize left {type(model).__name__} in float32: int8 GEMMs do not run here "
                           f"({'; '.join(reasons)})")
-        return _record(model, {"outcome": "float32", "why": "; ".join(reasons)})
+        return record(model, {"outcome": "float32", "why": "; ".join(reasons)})
     layers = [layer for encoder in encoders for layer in int8_guard.layers_of(encoder)]
     if not any(layer.linears for layer in layers):
         announce.fallback(f"quantize found nothing to quantize in {type(model).__name__}: its encoder has no layer "
                           "with a Linear (num_hidden_layers=0?); it stays float32")
-        return _record(model, {"outcome": "float32", "why": "nothing to quantize: no encoder layer has a Linear"})
+        return record(model, {"outcome": "float32", "why": "nothing to quantize: no encoder layer has a Linear"})
     bits = int8.weight_bits()
-    if guard and texts is None and _apply_saved(model, encoders, announce_misfit=True):
+    if guard and texts is None and apply_saved(model, encoders):
         return model
     if not guard:
         int8_guard.choose(layers, bits)
@@ -72,53 +64,7 @@ def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = 
     for encoder in encoders:  # (the decision, or none where the model stayed float32, goes with the checkpoint)
         int8.to_config(encoder, bits, {**meta, "figures": {k: v for k, v in outcome.items() if "cosine" in k
                                                            or "agreement" in k}})
-    return _record(model, outcome)
-
-
-def apply_saved(model: nn.Module) -> None:
-    """Choose int8 for the Linears of every encoder in ``model`` whose config holds a decision saved by
-    ``quantize`` (``optimize`` and fastbert's loaders call this); a decision that does not fit the weights or this CPU
-    is said and left unapplied."""
-    encoders = [m for m in model.modules() if isinstance(m, modeling.FusedModel)
-                and getattr(m.config, int8.CONFIG_KEY, None) is not None]
-    if encoders:
-        _apply_saved(model, encoders, announce_misfit=True)
-
-
-def _apply_saved(model: nn.Module, encoders: list, announce_misfit: bool) -> bool:
-    """Apply the decisions saved in ``encoders``' configs; whether every encoder had one that fits."""
-    bits = int8.weight_bits()
-    found = []
-    for encoder in encoders:
-        choices, why = int8.from_config(encoder, bits)
-        if choices is None:
-            if why and announce_misfit:
-                announce.note(f"the int8 decision saved with {type(encoder).__name__}'s checkpoint is not applied: "
-                              f"{why}")
-            return False
-        found.append((encoder, choices))
-    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
-        return False
-    reasons = int8.unavailable_reasons()
-    if reasons:
-        announce.fallback(f"the int8 decision saved with {type(model).__name__}'s checkpoint is not applied: int8 "
-                          f"GEMMs do not run here ({'; '.join(reasons)})")
-        return False
-    for encoder, choices in found:
-        for module in encoder.modules():
-            if type(module) is nn.Linear:
-                int8.choose(module, choices.get(module))
-    saved = getattr(encoders[0].config, int8.CONFIG_KEY)
-    _record(model, {"outcome": "int8", "guard": saved.get("guard", False), "recipe": saved.get("recipe"),
-                    "float32_layers": saved.get("float32_layers", []), **saved.get("figures", {}),
-                    "from": "the decision saved with the checkpoint"})
-    return True
-
-
-def reports() -> list[dict]:
-    """What each ``quantize`` call in this process decided, with the guard's figures, latest last."""
-    with _lock:
-        return list(_reports)
+    return record(model, outcome)
 
 
 def _encoders(model: nn.Module) -> list[modeling.FusedModel]:
@@ -138,30 +84,3 @@ def _encoders(model: nn.Module) -> list[modeling.FusedModel]:
         if dtype != torch.float32:
             raise ValueError(f"fastbert.quantize takes a float32 model, got {dtype} ({type(encoder).__name__})")
     return encoders
-
-
-def _record(model, report: dict) -> nn.Module:
-    report = {"model": type(model).__name__, "isa": int8.isa_path(), "weight_bits": int8.weight_bits(), **report}
-    with _lock:
-        _reports.append(report)
-    logger.info("fastbert.quantize: %s", describe(report))
-    return model
-
-
-def describe(report: dict) -> str:
-    """One readable sentence of a ``quantize`` decision."""
-    if report["outcome"] != "int8":
-        return f"{report['model']} stays float32: {report.get('why', 'the guard failed')}"
-    kept = report.get("float32_layers") or []
-    text = (f"{report['model']} runs its encoder GEMMs in int8 ({report['weight_bits']}-bit weights, {report['isa']})"
-            f" with {report['recipe']}")
-    if report.get("from"):
-        text += f", {report['from']}"
-    if "mean_cosine" in report:
-        text += (f"; guard on {report.get('sentences', 'its')} sentences: mean cosine {report['mean_cosine']:.4f}, "
-                 f"1st percentile {report['p1_cosine']:.4f}")
-        if "head_agreement" in report:
-            text += f", head agreement {report['head_agreement']:.1%}"
-    elif not report.get("guard", True):
-        text += "; not checked (guard=False)"
-    return text + (f"; kept in float32: {', '.join(kept)}" if kept else "")

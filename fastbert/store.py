@@ -188,4 +188,5 @@ def figures(key: str, libraries: tuple[str, ...], tokens: tuple[int, ...], measu
 
 
 def _as_ints(entry: dict, libraries) -> dict:
-    return {lib: {int(t): float(g) for t, g in entry[lib].items()} for lib in libraries}
+    # (by token count, as measured: the file keeps its keys as sorted strings, "1024" before "128")
+    return {lib: dict(sorted((int(t), float(g)) for t, g in entry[lib].items())) for lib in libraries}

@@ -10,14 +10,21 @@ import torch.nn.functional as F
 
 from ._common import check_float, check_last_dim_contiguous, check_like, for_device, launch_or_op, tl, triton
 
-# HF ``hidden_act`` name -> the function our kernels compute. "gelu_new" and "gelu_pytorch_tanh" are the same tanh
-# approximation written two ways; "gelu" is the exact erf form.
+# HF ``hidden_act`` name -> the function fastbert computes for it (its kind): the one map of activations, read by this
+# kernel, the GLU kernel (glu.py), oneDNN's GEMM epilogues (fastbert/cpu_gemm.py) and the ops (fastbert/ops). "gelu_new"
+# and "gelu_pytorch_tanh" are the same tanh approximation written two ways; "gelu" is the exact erf form; "silu" and
+# "swish" are both torch's SiLU in transformers.
 ACTIVATIONS = {
     "gelu": "gelu_erf",
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
     "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
 }
+# The kinds this module's bias + activation kernel computes, and the names it therefore takes.
+BIAS_ACT_KINDS = ("gelu_erf", "gelu_tanh", "relu")
+BIAS_ACT_NAMES = tuple(name for name, kind in ACTIVATIONS.items() if kind in BIAS_ACT_KINDS)
 
 
 def activation_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -27,7 +34,7 @@ def activation_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
         return F.gelu(x)
     if kind == "gelu_tanh":
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
-    return F.relu(x)
+    return F.relu(x) if kind == "relu" else F.silu(x)
 
 
 def bias_act_ref(x: torch.Tensor, bias: torch.Tensor | None, activation: str, upcast: bool = False) -> torch.Tensor:
@@ -41,9 +48,10 @@ def bias_act_ref(x: torch.Tensor, bias: torch.Tensor | None, activation: str, up
 
 
 def activation_kind(activation: str) -> str:
-    """The kernels' name for HF's ``hidden_act`` (a key of ``ACTIVATIONS``); ValueError for one we don't fuse."""
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not fused; supported: {', '.join(sorted(ACTIVATIONS))}")
+    """The kernel's name for HF's ``hidden_act`` (a name of ``ACTIVATIONS`` of a kind in ``BIAS_ACT_KINDS``);
+    ValueError for one it does not compute."""
+    if not isinstance(activation, str) or ACTIVATIONS.get(activation) not in BIAS_ACT_KINDS:
+        raise ValueError(f"activation {activation!r} is not fused; supported: {', '.join(sorted(BIAS_ACT_NAMES))}")
     return ACTIVATIONS[activation]
 
 

@@ -1,9 +1,10 @@
 """Bidirectional multi-head self-attention, flash-attention style (online softmax, no S x S matrix in memory).
 
-Two layouts, both reading Q, K, V straight out of the fused QKV projection through strides:
-- padded: qkv [B, S, 3, H, D] with key_padding_mask [B, S] bool (True = real token) or None, and optional key_bounds
-  [B] int32 (keys at index >= key_bounds[b] are padding) -> out [B, S, H, D];
-- varlen: qkv [total_tokens, 3, H, D] with cu_seqlens [B + 1] int32 and max_seqlen -> out [total_tokens, H, D].
+One kernel for two layouts, both reading Q, K, V straight out of the fused QKV projection through strides:
+- padded (this module's op): qkv [B, S, 3, H, D] with key_padding_mask [B, S] bool (True = real token) or None, and
+  optional key_bounds [B] int32 (keys at index >= key_bounds[b] are padding) -> out [B, S, H, D];
+- varlen (``attention_varlen.py``'s op, on this kernel): qkv [total_tokens, 3, H, D] with cu_seqlens [B + 1] int32
+  and max_seqlen -> out [total_tokens, H, D].
 Scale 1/sqrt(D). A query whose keys are all masked gets zeros, never NaN.
 Both take an optional window w (ModernBERT's local layers): query i attends only to keys j with |i - j| <= w, and an
 optional relative bias [H, 2R + 1] (MPNet's): the score of key j for query i gains bias[h, clamp(j - i, -R, R) + R];
@@ -58,22 +59,6 @@ def attention_ref(
         scores = scores.masked_fill(~(distance.abs() <= window)[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
     return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(dtype)
-
-
-def attention_varlen_ref(
-    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, upcast: bool = True, window: int | None = None,
-    columns: torch.Tensor | None = None, relative_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Varlen layout: each sequence cu_seqlens[i]:cu_seqlens[i+1] attends only to itself (with ``window`` and
-    ``relative_bias`` as ``attention_ref``'s, measured between ``columns`` [T] entries, else offsets)."""
-    out = torch.empty_like(qkv[:, 0])
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            cols = None if columns is None else columns[None, start:end].long()
-            out[start:end] = attention_ref(qkv[None, start:end], upcast=upcast, window=window, columns=cols,
-                                           relative_bias=relative_bias)[0]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -298,36 +283,10 @@ def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, k
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but qkv is on {qkv.device}")
 
 
-def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                            window: int | None = None, columns: torch.Tensor | None = None,
-                            relative_bias: torch.Tensor | None = None) -> None:
-    _check_qkv(qkv, "varlen")
-    _check_window(window)
-    _check_relative_bias(relative_bias, qkv)
-    if columns is not None:
-        if window is None and relative_bias is None:
-            raise ValueError("columns are the tokens' positions for a window or a relative bias: pass one of them")
-        if not isinstance(columns, torch.Tensor) or columns.dtype != torch.int32:
-            raise TypeError(f"columns must be an int32 tensor, got {getattr(columns, 'dtype', type(columns).__name__)}")
-        if tuple(columns.shape) != (qkv.shape[0],) or not columns.is_contiguous():
-            raise ValueError(f"columns must be contiguous [tokens] = ({qkv.shape[0]},), got {tuple(columns.shape)}")
-        if columns.device != qkv.device:
-            raise ValueError(f"columns is on {columns.device} but qkv is on {qkv.device}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens must be an int32 tensor, got "
-                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(f"cu_seqlens must be [batch + 1], got shape {tuple(cu_seqlens.shape)}")
-    check_last_dim_contiguous("cu_seqlens", cu_seqlens)  # the kernel reads CU_SEQLENS + batch: no stride
-    if cu_seqlens.device != qkv.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but qkv is on {qkv.device}")
-    if not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
-
-
 def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_seqlen, batch, seq_len, window=None,
                       columns=None, relative_bias=None):
-    """The launch both layouts share; their launchers below have checked the arguments and allocated ``out``."""
+    """The launch both layouts share; their launchers (``_attention_padded_launch`` below, ``attention_varlen.py``'s)
+    have checked the arguments and allocated ``out``."""
     varlen = cu_seqlens is not None
     heads, head_dim = qkv.shape[-2], qkv.shape[-1]
     if out.numel() == 0 or batch == 0 or max_seqlen == 0:
@@ -384,15 +343,6 @@ def _attention_padded_launch(qkv, key_padding_mask, key_bounds, window=None, rel
                              relative_bias=relative_bias)
 
 
-def _attention_varlen_launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window=None,
-                             columns=None, relative_bias=None) -> torch.Tensor:
-    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
-    tokens, _, heads, head_dim = qkv.shape
-    out = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    return _attention_launch(qkv, out, None, None, cu_seqlens, max_seqlen, cu_seqlens.shape[0] - 1, 0, window,
-                             columns, relative_bias)
-
-
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def _attention_op(
     qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None, window: int | None,
@@ -406,19 +356,6 @@ def _(qkv, key_padding_mask, key_bounds, window, relative_bias):
     _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias)
     batch, seq_len, _, heads, head_dim = qkv.shape
     return qkv.new_empty((batch, seq_len, heads, head_dim))
-
-
-@torch.library.custom_op("fastbert::attention_varlen", mutates_args=())
-def _attention_varlen_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None,
-                         columns: torch.Tensor | None, relative_bias: torch.Tensor | None) -> torch.Tensor:
-    return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
-
-
-@_attention_varlen_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias):
-    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
-    tokens, _, heads, head_dim = qkv.shape
-    return qkv.new_empty((tokens, heads, head_dim))
 
 
 def attention(
@@ -444,18 +381,4 @@ def attention(
     fp32 on CUDA multiplies in TF32 only where torch allows it for fp32 matmuls (``allow_tf32``/``fp32_precision``).
     """
     return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask, key_bounds, window,
-                        relative_bias)
-
-
-def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None = None,
-                     columns: torch.Tensor | None = None, relative_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed layout: qkv [T, 3, H, D] (strided like ``attention``), cu_seqlens [B + 1] int32, contiguous, with
-    cu_seqlens[0] = 0, cu_seqlens[-1] = T, non-decreasing (empty sequences allowed), max_seqlen >= the longest
-    sequence (not checked: that would need a device sync; rows past max_seqlen would be left unwritten)
-    -> out [T, H, D], contiguous. Same semantics as ``attention_varlen_ref``.
-    window, relative_bias: as ``attention``'s, the distance measured between ``columns`` (int32 [T], contiguous,
-    non-decreasing within each sequence: the tokens' columns in the padded batch, which holes in a mask make differ
-    from their offsets) or, without them, between offsets in the sequence.
-    """
-    return launch_or_op(_attention_varlen_launch, _attention_varlen_op, qkv, cu_seqlens, max_seqlen, window, columns,
                         relative_bias)

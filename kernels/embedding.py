@@ -3,14 +3,14 @@
 Works on flat token lists, so the same op serves the dense [B*S] and the packed [total_tokens] layouts.
 input_ids, position_ids, token_type_ids: [tokens] int64; word: [vocab, hidden]; position: [max_pos, hidden];
 token_type: [type_vocab, hidden]; weight, bias: [hidden] -> [tokens, hidden] in the tables' dtype.
-This is the Triton version; the C++/CUDA one lives in csrc/ and is preferred where it was built for the device.
+This is the Triton kernel and its reference; the op (one registered op for this kernel and fastbert._C's C++/CUDA
+one, which is preferred where it was built for the device) and its backends are ``fastbert/ops/embedding.py``'s.
 """
 
 import torch
 import torch.nn.functional as F
 
-from ._common import (calculate_settings, check_float, check_last_dim_contiguous, check_like, for_device,
-                      launch_or_op, tl, triton)
+from ._common import calculate_settings, check_float, check_last_dim_contiguous, check_like, for_device, tl, triton
 from .layer_norm import _normalize_row
 
 
@@ -94,8 +94,8 @@ _ID_DTYPES = (torch.int64, torch.int32)
 def check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
     """TypeError/ValueError unless the arguments fit the op (module docstring): int64/int32 ids of one [tokens] shape,
     non-empty tables of one float dtype and word's hidden size, weight/bias [hidden], one device, eps >= 0.
-    Reads metadata only (fake tensors too). Both backends check this: the Triton launcher here and
-    fastbert._extension's op, each adding what its kernel needs besides."""
+    Reads metadata only (fake tensors too). Both implementations check this: the Triton launcher here and
+    fastbert._C's (``fastbert.ops.embedding``), each adding what its kernel needs besides."""
     check_float("word", word)
     if word.dim() != 2:
         raise ValueError(f"word must be [vocab, hidden], got shape {tuple(word.shape)}")
@@ -124,17 +124,25 @@ def check_embedding_args(input_ids, position_ids, token_type_ids, word, position
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 
 
-def _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
+def check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
     """The op's contract, and what this kernel needs besides: each table's rows contiguous (it reads rows by stride)."""
     check_embedding_args(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     for name, table in (("word", word), ("position", position), ("token_type", token_type)):
         check_last_dim_contiguous(name, table)
 
 
-def _embedding_layer_norm_launch(
-    input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps
-) -> torch.Tensor:
-    _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
+def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias,
+                         eps) -> torch.Tensor:
+    """``LayerNorm(word[ids] + position[pos] + token_type[tt])`` in one pass of this Triton kernel, statistics in fp32
+    (the launcher; the registered op, with fastbert._C's kernel beside it, is ``fastbert.ops.embedding``'s).
+
+    input_ids, position_ids, token_type_ids: [tokens] int64 (or int32), any stride, on the tables' device; ids
+    outside a table are clamped into it (no out-of-bounds read; range-check before, as fastbert.validation does).
+    word [vocab, H], position [max_pos, H], token_type [type_vocab, H]: last dim contiguous; weight, bias: [H];
+    all of one float dtype. Returns a new contiguous [tokens, H] tensor in that dtype. Same semantics as
+    ``embedding_layer_norm_ref(..., upcast=True)`` on in-range ids.
+    """
+    check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
     n_tokens, hidden = input_ids.shape[0], word.shape[1]
     out = torch.empty((n_tokens, hidden), dtype=word.dtype, device=word.device)
     if out.numel() == 0:
@@ -166,40 +174,3 @@ def _embedding_layer_norm_launch(
         num_warps=num_warps,
     )
     return out
-
-
-# The C++/CUDA extension registers its own op; this one is the Triton version, hence the suffix.
-@torch.library.custom_op("fastbert::embedding_layer_norm_triton", mutates_args=())
-def _embedding_layer_norm_op(
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    token_type_ids: torch.Tensor,
-    word: torch.Tensor,
-    position: torch.Tensor,
-    token_type: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    return _embedding_layer_norm_launch(
-        input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps
-    )
-
-
-@_embedding_layer_norm_op.register_fake
-def _(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
-    _check_embedding(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)
-    return word.new_empty((input_ids.shape[0], word.shape[1]))
-
-
-def embedding_layer_norm(input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps):
-    """``LayerNorm(word[ids] + position[pos] + token_type[tt])`` in one pass, statistics in fp32.
-
-    input_ids, position_ids, token_type_ids: [tokens] int64 (or int32), any stride, on the tables' device; ids
-    outside a table are clamped into it (no out-of-bounds read; range-check before, as fastbert.validation does).
-    word [vocab, H], position [max_pos, H], token_type [type_vocab, H]: last dim contiguous; weight, bias: [H];
-    all of one float dtype. Returns a new contiguous [tokens, H] tensor in that dtype. Same semantics as
-    ``embedding_layer_norm_ref(..., upcast=True)`` on in-range ids.
-    """
-    return launch_or_op(_embedding_layer_norm_launch, _embedding_layer_norm_op,
-                        input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, eps)

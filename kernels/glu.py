@@ -16,17 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from ._common import check_float, check_last_dim_contiguous, check_like, for_device, launch_or_op, tl, triton
-from .activation import _apply_activation, tile_grid
+from .activation import ACTIVATIONS, _apply_activation, tile_grid
 
-# HF ``hidden_act`` name -> the function the kernel computes. The GELU names mean what they mean in activation.py;
-# "silu" and "swish" (NomicBERT's SwiGLU) are both torch's SiLU in transformers.
-GLU_ACTIVATIONS = {
-    "gelu": "gelu_erf",
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "silu": "silu",
-    "swish": "silu",
-}
+# The HF ``hidden_act`` names this kernel computes (activation.py's one map), by kind: the GELUs, and SiLU
+# (NomicBERT's SwiGLU).
+GLU_ACTIVATIONS = {name: kind for name, kind in ACTIVATIONS.items() if kind in ("gelu_erf", "gelu_tanh", "silu")}
 
 
 def glu_activation_ref(x: torch.Tensor, activation: str) -> torch.Tensor:

@@ -5,7 +5,6 @@ between and past the vector width and the value tiles; sequences of 0, 1, 17, 25
 every tile size), with and without the relative bias, a window and holes (distances between columns).
 """
 
-import dataclasses
 import json
 import warnings
 
@@ -13,14 +12,15 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import _extension, attention, cpu, dispatch, padding
-from fastbert.kernels.attention import attention_varlen_ref
+from fastbert import cpu, dispatch, padding
+from fastbert.ops import attention
+from fastbert.kernels.attention_varlen import attention_varlen_ref
 
-pytestmark = pytest.mark.skipif(bool(_extension.attention_cpu_unavailable_reasons()),
-                                reason="; ".join(_extension.attention_cpu_unavailable_reasons()))
+pytestmark = pytest.mark.skipif(bool(attention.attention_cpu_unavailable_reasons()),
+                                reason="; ".join(attention.attention_cpu_unavailable_reasons()))
 FP32_TOL = 1e-5
 # Every instruction set this CPU runs (an AVX-512 machine checks the AVX2 build too).
-ISAS = _extension.attention_cpu_isas()
+ISAS = attention.attention_cpu_isas()
 
 
 def qkv_of(tokens, heads, head_dim, seed=0):
@@ -48,7 +48,7 @@ def test_matches_reference(isa, head_dim, lengths, radius):
     heads = 3
     qkv = qkv_of(sum(lengths), heads, head_dim)
     table = None if radius is None else table_of(heads, radius)
-    out = _extension.attention_cpu(qkv, lengths, table, isa=isa)
+    out = attention.attention_cpu(qkv, lengths, table, isa=isa)
     assert out.shape == (sum(lengths), heads, head_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out, reference(qkv, lengths, table), rtol=0, atol=FP32_TOL)
 
@@ -60,7 +60,7 @@ def test_window(isa, window, radius):
     lengths = [1, 40, 130]
     qkv = qkv_of(sum(lengths), 2, 26)
     table = None if radius is None else table_of(2, radius)
-    out = _extension.attention_cpu(qkv, lengths, table, window, isa=isa)
+    out = attention.attention_cpu(qkv, lengths, table, window, isa=isa)
     torch.testing.assert_close(out, reference(qkv, lengths, table, window), rtol=0, atol=FP32_TOL)
 
 
@@ -76,9 +76,9 @@ def test_holes_measure_distances_between_columns(isa, window, radius):
     lengths = mask.sum(dim=1).tolist()
     columns = torch.arange(90).expand(3, 90)[mask].to(torch.int32)
     qkv, table = qkv_of(sum(lengths), 3, 16), None if radius is None else table_of(3, radius)
-    out = _extension.attention_cpu(qkv, lengths, table, window, columns, isa=isa)
+    out = attention.attention_cpu(qkv, lengths, table, window, columns, isa=isa)
     torch.testing.assert_close(out, reference(qkv, lengths, table, window, columns), rtol=0, atol=FP32_TOL)
-    assert not torch.allclose(out, _extension.attention_cpu(qkv, lengths, table, window, isa=isa), atol=1e-3)
+    assert not torch.allclose(out, attention.attention_cpu(qkv, lengths, table, window, isa=isa), atol=1e-3)
 
 
 def test_threads_and_query_blocks_give_the_same_result():
@@ -90,7 +90,7 @@ def test_threads_and_query_blocks_give_the_same_result():
         results = []
         for count in (1, 2, 3, 5):
             torch.set_num_threads(count)
-            results.append(_extension.attention_cpu(qkv, [300], table))
+            results.append(attention.attention_cpu(qkv, [300], table))
     finally:
         torch.set_num_threads(threads)
     for out in results[1:]:
@@ -102,13 +102,13 @@ def test_nan_and_huge_windows(isa):
     """A NaN in one key poisons every query that sees it (as in torch); a window past any length sees every key."""
     qkv = qkv_of(9, 2, 8)
     qkv[4, 1, 0, 3] = float("nan")  # key 4 of head 0
-    out = _extension.attention_cpu(qkv, [9], None, 2, isa=isa)
+    out = attention.attention_cpu(qkv, [9], None, 2, isa=isa)
     sees_key_4 = (torch.arange(9) - 4).abs() <= 2
     assert out[:, 0].isnan().any(dim=-1).equal(sees_key_4) and not out[:, 1].isnan().any()
     clean = qkv_of(9, 2, 8)
     for window in (2 ** 31, 2 ** 32, 2 ** 40):
-        torch.testing.assert_close(_extension.attention_cpu(clean, [9], None, window, isa=isa),
-                                   _extension.attention_cpu(clean, [9], isa=isa), rtol=0, atol=0)
+        torch.testing.assert_close(attention.attention_cpu(clean, [9], None, window, isa=isa),
+                                   attention.attention_cpu(clean, [9], isa=isa), rtol=0, atol=0)
 
 
 def test_registered_op():
@@ -120,41 +120,40 @@ def test_registered_op():
 def test_bad_arguments_raise_before_the_kernel():
     qkv = qkv_of(5, 2, 8)
     with pytest.raises(ValueError, match="seqlens"):
-        _extension.attention_cpu(qkv, [3, 3])
+        attention.attention_cpu(qkv, [3, 3])
     with pytest.raises(ValueError, match="qkv"):
-        _extension.attention_cpu(qkv.double(), [5])
+        attention.attention_cpu(qkv.double(), [5])
     with pytest.raises(ValueError, match="relative_bias"):
-        _extension.attention_cpu(qkv, [5], torch.zeros(2, 4))
+        attention.attention_cpu(qkv, [5], torch.zeros(2, 4))
     with pytest.raises(ValueError, match="window"):
-        _extension.attention_cpu(qkv, [5], None, -1)
+        attention.attention_cpu(qkv, [5], None, -1)
     with pytest.raises(ValueError, match="columns"):
-        _extension.attention_cpu(qkv, [5], None, None, torch.arange(5))
+        attention.attention_cpu(qkv, [5], None, None, torch.arange(5))
     with pytest.raises(ValueError, match="isa"):
-        _extension.attention_cpu(qkv, [5], isa="sse2")
+        attention.attention_cpu(qkv, [5], isa="sse2")
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The calls attention() makes to the kernel (sequence lengths, bias, window, columns given or not), with the
     kernel chosen whatever this CPU measured (these tests are about the routing; an Intel Xeon measures SDPA faster)."""
-    calls, kernel = [], _extension.attention_cpu
-    monkeypatch.setattr(cpu, "attention_slower_reason", lambda: None)
-    monkeypatch.setattr(dispatch, "_decisions", {})
+    calls, kernel = [], attention.attention_cpu
+    monkeypatch.setattr(cpu, "attention_slower_reason", lambda kernel: None)
 
     def counted(qkv, seqlens, relative_bias=None, window=None, columns=None, isa=""):
         calls.append((tuple(seqlens), relative_bias is not None, window, columns is not None))
         return kernel(qkv, seqlens, relative_bias, window, columns, isa)
 
-    monkeypatch.setattr(attention._extension, "attention_cpu", counted)
+    monkeypatch.setattr(attention, "attention_cpu", counted)
     return calls
 
 
-def layout_of(mask, unpad=True, relative_bias=None):
+def layout_of(mask, unpad=True):
     layout = padding.unpadded_layout(mask) if unpad else padding.dense_layout(*mask.shape, mask.bool())
-    return padding.with_columns(dataclasses.replace(layout, relative_bias=relative_bias))
+    return padding.with_columns(layout)
 
 
-@pytest.mark.skipif(dispatch.requested_backend() != "auto", reason="FASTBERT_BACKEND chooses another backend")
+@pytest.mark.skipif(dispatch.settings().backend != "auto", reason="FASTBERT_BACKEND chooses another backend")
 @pytest.mark.parametrize("window", [None, 1])
 @pytest.mark.parametrize("radius", [None, 3])
 def test_model_attention_runs_the_kernel(kernel_calls, window, radius):
@@ -171,10 +170,10 @@ def test_model_attention_runs_the_kernel(kernel_calls, window, radius):
     ]
     for mask, unpad, lengths, by_columns in cases:
         kernel_calls.clear()
-        layout = layout_of(mask, unpad, table)
+        layout = layout_of(mask, unpad)
         qkv = qkv_of(layout.tokens, 2, 8).view(layout.tokens, 48)
         with torch.inference_mode():
-            out = attention.attention(qkv, layout, 2, window=window).view(layout.tokens, 2, 8)
+            out = attention.attention(qkv, layout, 2, window=window, relative_bias=table).view(layout.tokens, 2, 8)
         if lengths is None:
             assert kernel_calls == []
             continue
@@ -187,20 +186,19 @@ def test_model_attention_runs_the_kernel(kernel_calls, window, radius):
 
 def test_gradients_take_the_differentiable_path(kernel_calls):
     """The kernel is forward-only: gradients (of q, k, v or of a trainable bias alone) run torch's SDPA."""
-    layout = layout_of(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), relative_bias=table_of(2, 3).requires_grad_())
+    layout, table = layout_of(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])), table_of(2, 3).requires_grad_()
     qkv = qkv_of(7, 2, 8).view(7, 48)
     with pytest.warns(RuntimeWarning, match="gradients are required"):
-        attention.attention(qkv, layout, 2).sum().backward()
-    assert kernel_calls == [] and layout.relative_bias.grad.abs().sum() > 0
+        attention.attention(qkv, layout, 2, relative_bias=table).sum().backward()
+    assert kernel_calls == [] and table.grad.abs().sum() > 0
 
 
 def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path):
     """The kernel replaces SDPA where it measured faster at every size (the figures kept per machine, in info());
     where it measured slower, SDPA runs without a warning: a measured choice between exact paths, not a fallback."""
     monkeypatch.setattr(cpu, "_figures", {})
-    monkeypatch.setattr(dispatch, "_decisions", {})
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
-    figures = cpu.attention_figures()
+    figures = cpu.attention_figures(attention.attention_cpu)
     assert figures["source"] == "measured" and set(figures["torch"]) == set(figures["cpu-ext"]) == {128, 512}
     assert fastbert.info()["cpu_attention"]["measured_gflops"] == figures
     store = json.loads((tmp_path / "cpu_gemm.json").read_text())
@@ -213,4 +211,5 @@ def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert "slower than torch's SDPA on this CPU at 512 tokens (90.0 vs 100.0 GFLOP/s)" in reasons["attention"][0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch.choose("attention", torch.empty(2)) == "torch"
+        call = attention.Call(8, (), torch.device("cpu"), torch.float32)
+        assert dispatch.decide("attention", attention.BACKENDS, call).backend.name == "torch"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastbert import _extension
+from fastbert.ops import embedding
 from fastbert.kernels.embedding import embedding_layer_norm_ref
 from kernel_checks import max_error
 
@@ -48,7 +49,7 @@ def assert_close_to_reference(out, inputs, eps):
 @pytest.mark.parametrize("n_tokens", TOKEN_COUNTS)
 def test_cpu_matches_reference(n_tokens, hidden, dtype):
     inputs = make_inputs(n_tokens, hidden, dtype)
-    out = _extension.embedding_layer_norm(*inputs, 1e-12)
+    out = embedding.embedding_layer_norm(*inputs, 1e-12)
     assert_close_to_reference(out, inputs, 1e-12)
 
 
@@ -56,12 +57,12 @@ def test_cpu_matches_reference(n_tokens, hidden, dtype):
 def test_cpu_many_tokens_multithreaded(dtype):
     # 300 x 768 elements is above the kernel's threshold for an OpenMP parallel region.
     inputs = make_inputs(300, 768, dtype)
-    assert_close_to_reference(_extension.embedding_layer_norm(*inputs, 1e-12), inputs, 1e-12)
+    assert_close_to_reference(embedding.embedding_layer_norm(*inputs, 1e-12), inputs, 1e-12)
 
 
 def test_cpu_eps_is_applied():
     inputs = make_inputs(37, 26, torch.float32)
-    assert_close_to_reference(_extension.embedding_layer_norm(*inputs, 0.5), inputs, 0.5)
+    assert_close_to_reference(embedding.embedding_layer_norm(*inputs, 0.5), inputs, 0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,7 +71,7 @@ def test_cpu_out_of_range_indices_are_clamped(dtype):
     inputs[0] = torch.tensor([-5, -1, 0, VOCAB - 1, VOCAB, 10**12])
     inputs[1] = torch.tensor([MAX_POSITIONS, -1, 3, 10**9, 0, -(10**12)])
     inputs[2] = torch.tensor([2, -1, 1, 0, 7, 1])
-    out = _extension.embedding_layer_norm(*inputs, 1e-12)
+    out = embedding.embedding_layer_norm(*inputs, 1e-12)
     clamped = [ids.clamp(0, rows - 1) for ids, rows in zip(inputs[:3], (VOCAB, MAX_POSITIONS, TYPE_VOCAB))]
     assert_close_to_reference(out, clamped + inputs[3:], 1e-12)
 
@@ -79,7 +80,7 @@ def test_cpu_noncontiguous_inputs_are_copied():
     inputs = make_inputs(37, 312, torch.float32)
     strided = [torch.stack([t, t], dim=-1)[..., 0] for t in inputs]  # same values, stride 2 in the last dim
     assert not any(t.is_contiguous() for t in strided)
-    out = _extension.embedding_layer_norm(*strided, 1e-12)
+    out = embedding.embedding_layer_norm(*strided, 1e-12)
     assert_close_to_reference(out, inputs, 1e-12)
 
 
@@ -89,7 +90,7 @@ def test_invalid_arguments_raise_before_launch():
     def call(**changes):
         names = ("input_ids", "position_ids", "token_type_ids", "word", "position", "token_type", "weight", "bias")
         args = dict(zip(names, inputs)) | changes
-        return _extension.embedding_layer_norm(*args.values(), 1e-12)
+        return embedding.embedding_layer_norm(*args.values(), 1e-12)
 
     with pytest.raises(TypeError, match="input_ids must be int64"):
         call(input_ids=inputs[0].int())
@@ -119,7 +120,7 @@ def test_raw_bindings_refuse_empty_tables():
 def test_opcheck(dtype):
     for n_tokens, hidden in ((37, 26), (0, 8)):
         inputs = make_inputs(n_tokens, hidden, dtype)
-        torch.library.opcheck(_extension._embedding_layer_norm_op, (*inputs, 1e-12))
+        torch.library.opcheck(embedding._embedding_layer_norm_op, (*inputs, 1e-12, "ext"))
 
 
 def test_build_info():
@@ -156,7 +157,7 @@ def test_arch_compatibility_rules(capability, archs, ptx, runs):
 def test_cuda_matches_reference(cuda_device, n_tokens, hidden, dtype):
     assert _extension.cuda_unavailable_reasons(cuda_device) == []
     inputs = make_inputs(n_tokens, hidden, dtype, cuda_device)
-    out = _extension.embedding_layer_norm(*inputs, 1e-12)
+    out = embedding.embedding_layer_norm(*inputs, 1e-12)
     assert_close_to_reference(out, inputs, 1e-12)
 
 
@@ -165,14 +166,14 @@ def test_cuda_misaligned_tables_use_the_scalar_kernel(cuda_device, dtype):
     inputs = make_inputs(37, 768, dtype, cuda_device)
     shifted = torch.empty(VOCAB * 768 + 1, dtype=dtype, device=cuda_device)[1:].view(VOCAB, 768)
     inputs[3] = shifted.copy_(inputs[3])  # rows start 2 or 4 bytes off a 16-byte boundary
-    assert_close_to_reference(_extension.embedding_layer_norm(*inputs, 1e-12), inputs, 1e-12)
+    assert_close_to_reference(embedding.embedding_layer_norm(*inputs, 1e-12), inputs, 1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_out_of_range_indices_are_clamped(cuda_device, dtype):
     inputs = make_inputs(4, 312, dtype, cuda_device)
     inputs[0] = torch.tensor([-1, VOCAB, 10**12, 3], device=cuda_device)
-    out = _extension.embedding_layer_norm(*inputs, 1e-12)
+    out = embedding.embedding_layer_norm(*inputs, 1e-12)
     clamped = [inputs[0].clamp(0, VOCAB - 1)] + inputs[1:]
     assert_close_to_reference(out, clamped, 1e-12)
 
@@ -181,11 +182,11 @@ def test_cuda_runs_on_the_current_stream(cuda_device):
     inputs = make_inputs(1000, 768, torch.float32, cuda_device)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        out = _extension.embedding_layer_norm(*inputs, 1e-12)
+        out = embedding.embedding_layer_norm(*inputs, 1e-12)
     stream.synchronize()
     assert_close_to_reference(out, inputs, 1e-12)
 
 
 def test_cuda_opcheck(cuda_device):
     inputs = make_inputs(37, 312, torch.bfloat16, cuda_device)
-    torch.library.opcheck(_extension._embedding_layer_norm_op, (*inputs, 1e-12))
+    torch.library.opcheck(embedding._embedding_layer_norm_op, (*inputs, 1e-12, "ext"))

@@ -378,10 +378,10 @@ def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, f
     """FASTBERT_BACKEND=triton, TRITON_INTERPRET=1: every op of the family runs its Triton kernel (counted)."""
     pytest.importorskip("triton")
     fastbert_env(FASTBERT_BACKEND="triton", TRITON_INTERPRET="1")
-    from fastbert.kernels import activation, attention, embedding, glu, layer_norm, rope
+    from fastbert.kernels import activation, attention_varlen, embedding, glu, layer_norm, rope
 
     calls = {}
-    for module, function in ((embedding, "embedding_layer_norm"), (attention, "attention_varlen"),
+    for module, function in ((embedding, "embedding_layer_norm"), (attention_varlen, "attention_varlen"),
                              (layer_norm, "layer_norm"), (activation, "bias_act"), (rope, "rotary_"), (glu, "glu")):
         original = getattr(module, function)
 
@@ -401,7 +401,8 @@ def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, f
         # layer 0's Identity)
     else:
         activation = getattr(family.config, "hidden_act", None) or family.config.activation
-        if fastbert.ops.gemm_epilogue(activation, torch.device("cpu")) is None:  # (ReLU: in the GEMM's epilogue)
+        # (ReLU: in the GEMM's epilogue)
+        if fastbert.ops.activation.gemm_epilogue(activation, torch.device("cpu")) is None:
             expected["bias_act"] = layers
     assert calls == expected
 

@@ -84,8 +84,9 @@ def test_static_forward_matches_eager(small_bert_config, backend, family, fastbe
             if batch > 1:
                 mask[-1] = 0  # a fully padded row
             eager = model(input_ids, attention_mask=mask)
-            indices, layout = model._prepare(dict(input_ids=input_ids, attention_mask=mask, token_type_ids=None,
-                                                  position_ids=None, inputs_embeds=None), unpad=False)
+            indices, layout = fastbert.inputs.prepare(model, dict(input_ids=input_ids, attention_mask=mask,
+                                                                  token_type_ids=None, position_ids=None,
+                                                                  inputs_embeds=None), unpad=False)
             static.feed(indices, layout)
             out = static.forward(model)
             real = mask.bool()

@@ -21,15 +21,13 @@ from fastbert.kernels.attention import (
     _attention_config,
     _attention_fwd_kernel,
     _attention_op,
-    _attention_varlen_op,
     _gpu_arch,
     _gpu_config,
     _input_precision,
     attention,
     attention_ref,
-    attention_varlen,
-    attention_varlen_ref,
 )
+from fastbert.kernels.attention_varlen import _attention_varlen_op, attention_varlen, attention_varlen_ref
 from kernel_checks import DTYPES, assert_close_to_ref, cubin_resources
 
 FP32_TOL = 1e-4

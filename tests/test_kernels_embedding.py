@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from fastbert.kernels._common import calculate_settings, compilable, compile_for_gpu
-from fastbert.kernels.embedding import (
-    _embedding_layer_norm_kernel,
-    _embedding_layer_norm_op,
-    embedding_layer_norm,
-    embedding_layer_norm_ref,
-)
+from fastbert.kernels.embedding import _embedding_layer_norm_kernel, embedding_layer_norm, embedding_layer_norm_ref
+from fastbert.ops.embedding import _embedding_layer_norm_op
 from kernel_checks import DTYPES, assert_close_to_ref, cubin_resources
 
 VOCAB, MAX_POS, TYPE_VOCAB = 50, 40, 2
@@ -80,8 +76,9 @@ def test_embedding_empty(device):
 
 
 def test_embedding_opcheck():
-    """torch.library's checks of the registered op: schema, fake (meta) impl, autograd registration, AOT dispatch."""
-    args = (*make_ids(7, "cpu"), *make_tables(26, torch.float32, "cpu"), 1e-12)
+    """torch.library's checks of the registered op (fastbert.ops.embedding's, with this kernel as its "triton"
+    implementation): schema, fake (meta) impl, autograd registration, AOT dispatch."""
+    args = (*make_ids(7, "cpu"), *make_tables(26, torch.float32, "cpu"), 1e-12, "triton")
     torch.library.opcheck(_embedding_layer_norm_op, args)
 
 

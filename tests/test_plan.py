@@ -9,7 +9,7 @@ import transformers
 from test_model_api import right_padded
 
 import fastbert
-from fastbert import ops
+from fastbert import dispatch
 
 
 @pytest.fixture
@@ -35,12 +35,13 @@ def _same(fast, hf):
 def test_decisions_are_taken_once(pair, monkeypatch):
     hf, fast = pair
     taken = []
-    for name in ("_how_dense_residual_layer_norm", "_how_dense_act", "_how_qkv_projection", "_how_embedding"):
-        decide = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *args, _decide=decide, _name=name: taken.append(_name) or _decide(*args))
+    decide = dispatch.decide
+    monkeypatch.setattr(dispatch, "decide", lambda op, *args: taken.append(op) or decide(op, *args))
     _run(fast)
+    layers = fast.config.num_hidden_layers
+    assert taken.count("embedding") == 1 and taken.count("attention") == 1  # (one attention decision for all layers)
+    assert taken.count("layer_norm") == 2 * layers and taken.count("bias_act") == layers
     first = len(taken)
-    assert first == 1 + 4 * fast.config.num_hidden_layers  # embedding; per layer qkv, dense_act, 2 x residual+LN
     _run(fast)
     _run(fast, output_hidden_states=True)
     assert len(taken) == first

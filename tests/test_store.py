@@ -31,7 +31,6 @@ def empty_store(monkeypatch, tmp_path):
     """A store folder of this test's own, nothing measured yet in this process."""
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "_figures", {})
-    monkeypatch.setattr(dispatch, "_decisions", {})
     return tmp_path / store.FILE_NAME
 
 

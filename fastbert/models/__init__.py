@@ -1,7 +1,9 @@
-"""The families fastbert accelerates, one module each. A family module defines ``FUSED_CLASSES`` (transformers'
-encoder module classes -> ours), ``HEAD_CLASSES`` (head modules with a fused forward, e.g. the MLM transform) and its
-model class (``modeling.FusedModel`` + transformers' ``*Model``). Adding a family: write its module (``bert.py`` is
-the example to copy; ``gte.py`` for rotary positions and a GLU MLP) and list it here."""
+"""The families fastbert accelerates, one module each. A family module writes one class per transformers module it
+fuses (``class BertLayer(layers.FusedLayer, hf.BertLayer)``), maps transformers' classes to them in ``FUSED_CLASSES``
+and ``HEAD_CLASSES`` (head modules with a fused forward, e.g. the MLM transform), and defines its model class
+(``modeling.FusedModel`` + transformers' ``*Model``). Adding a family: write its module (``bert.py`` is the example to
+copy; ``gte.py`` for rotary positions and a GLU MLP, ``mpnet.py`` for a relative-position bias) and list it here
+(docs/architecture.md)."""
 
 import importlib.util
 

@@ -5,49 +5,63 @@
 
 Positions come from its position table (learned, or sinusoidal when ``config.sinusoidal_pos_embds``: the table is
 filled at init, the lookup is the same). The embeddings, the encoder loop and every op are the shared ones; only the
-block is mapped here.
+block is written here.
 """
 
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.distilbert import modeling_distilbert as hf
 
-from .. import layers, modeling, ops, padding
+from .. import layers, modeling, padding
+from ..ops import activation, gemm, norm
+from ..ops.attention import attention
+from ..positions import Positions
 
 
 class FusedSelfAttention(layers.Fused):
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
         """[N, dim] -> attention context [N, dim], before ``out_lin`` (the block fuses it with the LayerNorm)."""
-        qkv = ops.qkv_projection(self.q_lin, self.k_lin, self.v_lin, x)  # [N, 3 * dim]
-        return ops.attention(qkv, layout, self.n_heads, self.dropout.p if self.training else 0.0)
-
-
-class FusedFFN(layers.Fused):
-    """lin1 / activation / lin2 / dropout, read by the block."""
+        qkv = gemm.stacked(x, (self.q_lin, self.k_lin, self.v_lin))  # [N, 3 * dim]
+        return attention(qkv, layout, self.n_heads, self.dropout.p if self.training else 0.0)
 
 
 class FusedTransformerBlock(layers.Fused):
     bypassed = ("attention", "ffn")
 
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
-        attention, ffn = self.attention, self.ffn
-        x = ops.dense_residual_layer_norm(attention.fused(x, layout), x, attention.out_lin, None, self.sa_layer_norm)
-        h = ops.dense_act(x, ffn.lin1, ffn.activation)
-        return ops.dense_residual_layer_norm(h, x, ffn.lin2, ffn.dropout, self.output_layer_norm)
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
+        attn, ffn = self.attention, self.ffn
+        x = norm.dense_residual_layer_norm(attn.fused(x, layout), x, attn.out_lin, None, self.sa_layer_norm)
+        h = activation.dense_act(x, ffn.lin1, ffn.activation)
+        return norm.dense_residual_layer_norm(h, x, ffn.lin2, ffn.dropout, self.output_layer_norm)
 
 
-# transformers 5's names first, then 4.x's (MultiHeadSelfAttention and one class per attention implementation).
-_MIXINS = {
-    "Embeddings": layers.FusedEmbeddings,
-    "DistilBertSelfAttention": FusedSelfAttention,
-    "MultiHeadSelfAttention": FusedSelfAttention,
-    "DistilBertSdpaAttention": FusedSelfAttention,
-    "DistilBertFlashAttention2": FusedSelfAttention,
-    "FFN": FusedFFN,
-    "TransformerBlock": FusedTransformerBlock,
-    "Transformer": layers.FusedEncoder,
-}
-FUSED_CLASSES = layers.fused_classes(hf, "", _MIXINS, globals())
+class Embeddings(layers.FusedEmbeddings, hf.Embeddings):
+    pass
+
+
+class FFN(layers.Fused, hf.FFN):
+    """lin1 / activation / lin2 / dropout, read by the block."""
+
+
+class TransformerBlock(FusedTransformerBlock, hf.TransformerBlock):
+    pass
+
+
+class Transformer(layers.FusedEncoder, hf.Transformer):
+    pass
+
+
+FUSED_CLASSES = layers.fused_map(Embeddings, FFN, TransformerBlock, Transformer)
+if hasattr(hf, "DistilBertSelfAttention"):  # transformers 5.x
+
+    class DistilBertSelfAttention(FusedSelfAttention, hf.DistilBertSelfAttention):
+        pass
+
+    FUSED_CLASSES |= layers.fused_map(DistilBertSelfAttention)
+# transformers 4.x: MultiHeadSelfAttention and one class per attention implementation
+FUSED_CLASSES |= layers.transformers4_variants(
+    hf, ("MultiHeadSelfAttention", "DistilBertSdpaAttention", "DistilBertFlashAttention2"), FusedSelfAttention,
+    globals())
 HEAD_CLASSES = {}
 
 

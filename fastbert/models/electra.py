@@ -4,9 +4,40 @@
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 from transformers.models.electra import modeling_electra as hf
 
-from .. import layers, modeling, ops
+from .. import layers, modeling
+from ..ops import gemm
 
-FUSED_CLASSES = layers.fused_classes(hf, "Electra", layers.BERT_SHAPED, globals())
+
+class ElectraEmbeddings(layers.FusedEmbeddings, hf.ElectraEmbeddings):
+    pass
+
+
+class ElectraSelfAttention(layers.FusedSelfAttention, hf.ElectraSelfAttention):
+    pass
+
+
+class ElectraSelfOutput(layers.FusedDenseResidualLayerNorm, hf.ElectraSelfOutput):
+    pass
+
+
+class ElectraAttention(layers.FusedAttention, hf.ElectraAttention):
+    pass
+
+
+class ElectraIntermediate(layers.FusedIntermediate, hf.ElectraIntermediate):
+    pass
+
+
+class ElectraOutput(layers.FusedDenseResidualLayerNorm, hf.ElectraOutput):
+    pass
+
+
+class ElectraLayer(layers.FusedLayer, hf.ElectraLayer):
+    pass
+
+
+class ElectraEncoder(layers.FusedEncoder, hf.ElectraEncoder):
+    pass
 
 
 class ElectraGeneratorPredictions(layers.FusedPredictionHeadTransform, hf.ElectraGeneratorPredictions):
@@ -15,7 +46,11 @@ class ElectraGeneratorPredictions(layers.FusedPredictionHeadTransform, hf.Electr
     activation_name = "activation"
 
 
-HEAD_CLASSES = {hf.ElectraGeneratorPredictions: ElectraGeneratorPredictions}
+FUSED_CLASSES = layers.fused_map(ElectraEmbeddings, ElectraSelfAttention, ElectraSelfOutput, ElectraAttention,
+                                 ElectraIntermediate, ElectraOutput, ElectraLayer, ElectraEncoder)
+FUSED_CLASSES |= layers.transformers4_variants(hf, ("ElectraSdpaSelfAttention", "ElectraFlashAttention2"),
+                                               layers.FusedSelfAttention, globals())
+HEAD_CLASSES = layers.fused_map(ElectraGeneratorPredictions)
 
 
 class ElectraModel(modeling.FusedModel, hf.ElectraModel):
@@ -27,4 +62,4 @@ class ElectraModel(modeling.FusedModel, hf.ElectraModel):
     def embed(self, indices, inputs_embeds):
         x = self.embeddings.fused(indices, inputs_embeds)  # [N, embedding_size]
         project = self._modules.get("embeddings_project")  # (only when embedding_size != hidden_size)
-        return x if project is None else ops.linear(x, project)  # [N, hidden]
+        return x if project is None else gemm.linear(x, project)  # [N, hidden]

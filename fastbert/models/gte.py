@@ -7,11 +7,32 @@
 from transformers.models.gte import modeling_gte as hf
 
 from .. import layers
-from . import roberta, rotary_glu
+from . import rotary_glu
+from .roberta import FusedLMHead
 
-FUSED_CLASSES = layers.fused_classes(hf, "Gte", rotary_glu.MIXINS, globals())
-# The MLM head is RoBERTa's (dense -> gelu -> layer_norm -> decoder): GteLMHead gets the same fused forward.
-HEAD_CLASSES = layers.fused_classes(hf, "Gte", roberta.HEAD_MIXINS, globals())
+
+class GteEmbeddings(layers.FusedEmbeddings, hf.GteEmbeddings):
+    pass
+
+
+class GteAttention(rotary_glu.FusedSelfAttention, hf.GteAttention):
+    pass
+
+
+class GteMLP(rotary_glu.FusedMLP, hf.GteMLP):
+    pass
+
+
+class GteLayer(rotary_glu.FusedLayer, hf.GteLayer):
+    pass
+
+
+class GteLMHead(FusedLMHead, hf.GteLMHead):
+    """RoBERTa's MLM head (dense -> gelu -> layer_norm -> decoder), with the same fused forward."""
+
+
+FUSED_CLASSES = layers.fused_map(GteEmbeddings, GteAttention, GteMLP, GteLayer)
+HEAD_CLASSES = layers.fused_map(GteLMHead)
 
 
 class GteModel(rotary_glu.RotaryGluModel, hf.GteModel):

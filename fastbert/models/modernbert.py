@@ -7,9 +7,9 @@ ops.
     tables     = cos/sin(position * inv_freq), one per attention type (global and local theta)
     per layer (attention_type: full_attention, or sliding_attention with |i - j| <= config.sliding_window):
         h = attn_norm(x)                                          (layer 0: Identity)
-        x = x + Wo(attention(rope(Wqkv h) | window))              prenorm.layer_norm / dense_residual
+        x = x + Wo(attention(rope(Wqkv h) | window))              ops/norm.py ``layer_norm``, ``dense_residual``
         h = mlp_norm(x)
-        x = x + Wo(act(a) * b),  [a | b] = Wi h                   gated_mlp.linear_glu (the first half activated)
+        x = x + Wo(act(a) * b),  [a | b] = Wi h                   ops/glu.py ``linear_glu`` (the first half activated)
     out = final_norm(x)
 
 The window is a distance between the tokens' places in the padded batch, as in transformers: a packed layout
@@ -17,67 +17,63 @@ carries each token's column (``TokenLayout.columns``). The heads' ``ModernBertPr
 is fused like BERT's MLM transform.
 """
 
-import dataclasses
-
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.modernbert import modeling_modernbert as hf
 
-from .. import gated_mlp, layers, ops, padding, prenorm, rotary
+from .. import layers, padding
+from ..ops import glu, norm, rotary
+from ..ops.attention import attention
+from ..ops.gemm import linear
 from ..plain import is_plain
+from ..positions import Positions
 from . import rotary_glu
 
 _SLIDING = "sliding_attention"
 
 
-class FusedEmbeddings(layers.FusedEmbeddings):
+class ModernBertEmbeddings(layers.FusedEmbeddings, hf.ModernBertEmbeddings):
     module_names = dict(word="tok_embeddings", norm="norm", dropout="drop")
 
 
-class FusedAttention(layers.Fused):
-    def fused(self, h: torch.Tensor, layout: padding.TokenLayout, attention_type: str) -> torch.Tensor:
+class ModernBertAttention(layers.Fused, hf.ModernBertAttention):
+    def fused(self, h: torch.Tensor, layout: padding.TokenLayout, positions: Positions, attention_type: str,
+              ) -> torch.Tensor:
         """h [N, hidden] (normalized) -> attention context [N, hidden], before ``Wo``."""
         num_heads = self.config.num_attention_heads
         owned = is_plain(self.Wqkv, nn.Linear, h.device)  # (a wrapped Wqkv's output may be held by its hooks)
-        qkv = rotary.rotary(ops.linear(h, self.Wqkv), layout, num_heads, attention_type, owned)  # [N, 3 * hidden]
+        qkv = rotary.rotary(linear(h, self.Wqkv), *positions.rotary[attention_type], num_heads, owned)
         window = self.config.sliding_window if attention_type == _SLIDING else None
-        return ops.attention(qkv, layout, num_heads, self.attention_dropout if self.training else 0.0, window)
+        return attention(qkv, layout, num_heads, self.attention_dropout if self.training else 0.0, window)
 
 
-class FusedMLP(layers.Fused):
+class ModernBertMLP(layers.Fused, hf.ModernBertMLP):
     """Wi / act / drop / Wo, read by the layer."""
 
 
-class FusedEncoderLayer(layers.Fused):
+class ModernBertEncoderLayer(layers.Fused, hf.ModernBertEncoderLayer):
     bypassed = ("attn", "mlp")
 
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
         attn, mlp = self.attn, self.mlp
-        h = prenorm.layer_norm(x, self.attn_norm)
-        x = prenorm.dense_residual(attn.fused(h, layout, self.attention_type), x, attn.Wo, attn.out_drop)
-        h = gated_mlp.linear_glu(prenorm.layer_norm(x, self.mlp_norm), mlp.Wi, mlp.act, 0)  # [N, intermediate]
+        h = norm.layer_norm(x, self.attn_norm)
+        x = norm.dense_residual(attn.fused(h, layout, positions, self.attention_type), x, attn.Wo, attn.out_drop)
+        h = glu.linear_glu(norm.layer_norm(x, self.mlp_norm), mlp.Wi, mlp.act, 0)  # [N, intermediate]
         if mlp.training:
             h = mlp.drop(h)
-        return prenorm.dense_residual(h, x, mlp.Wo, None)
+        return norm.dense_residual(h, x, mlp.Wo, None)
 
 
-FUSED_CLASSES = layers.fused_classes(hf, "ModernBert", {
-    "Embeddings": FusedEmbeddings,
-    "Attention": FusedAttention,
-    "MLP": FusedMLP,
-    "EncoderLayer": FusedEncoderLayer,
-}, globals())
-
-
-class FusedPredictionHead(layers.FusedPredictionHeadTransform):
+class ModernBertPredictionHead(layers.FusedPredictionHeadTransform, hf.ModernBertPredictionHead):
     """dense -> act -> norm, under the heads (MLM, sequence classification on the pooled vector)."""
 
     activation_name = "act"
     layer_norm_name = "norm"
 
 
-HEAD_CLASSES = layers.fused_classes(hf, "ModernBert", {"PredictionHead": FusedPredictionHead}, globals())
+FUSED_CLASSES = layers.fused_map(ModernBertEmbeddings, ModernBertAttention, ModernBertMLP, ModernBertEncoderLayer)
+HEAD_CLASSES = layers.fused_map(ModernBertPredictionHead)
 
 
 class ModernBertModel(rotary_glu.RotaryGluModel, hf.ModernBertModel):
@@ -86,11 +82,11 @@ class ModernBertModel(rotary_glu.RotaryGluModel, hf.ModernBertModel):
     fused_classes = FUSED_CLASSES
     output_class = BaseModelOutput
 
-    def encode(self, x, indices, layout, keep):
+    def positions(self, indices, layout):
         attention_types = set(self.config.layer_types)
         tables = {name: rotary.tables(self.rotary_emb, indices[2], name) for name in attention_types}
-        layout = dataclasses.replace(layout, rotary=tables)
-        if _SLIDING in attention_types:
-            layout = padding.with_columns(layout)
-        x, states = layers.run_layers(self, self.layers, x, layout, keep)
-        return prenorm.layer_norm(x, self.final_norm), states
+        return padding.with_columns(layout) if _SLIDING in attention_types else layout, Positions(rotary=tables)
+
+    def encode(self, x, layout, positions, keep):
+        x, states = layers.run_layers(self, self.layers, x, layout, positions, keep)
+        return norm.layer_norm(x, self.final_norm), states

@@ -14,46 +14,65 @@ computed with transformers' own bucket function. Distances are between the token
 transformers measures them, also when the batch runs packed (``TokenLayout.columns``).
 """
 
-import dataclasses
-
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.mpnet import modeling_mpnet as hf
 
-from .. import layers, ops, padding
-from . import roberta
+from .. import layers, padding
+from ..ops import norm
+from ..ops.attention import attention
+from ..ops.gemm import stacked
+from ..positions import Positions
+from .roberta import FusedLMHead, RobertaShapedModel
 
 # transformers' bucket function: 32 buckets (MPNetEncoder passes its default, whatever the config says), and every
 # distance of 128 or more in the last one.
 _BUCKETS, _RADIUS = 32, 128
 
 
-class FusedSelfAttention(layers.Fused):
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
+class MPNetEmbeddings(layers.FusedEmbeddings, hf.MPNetEmbeddings):
+    pass
+
+
+class MPNetSelfAttention(layers.Fused, hf.MPNetSelfAttention):
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
         """[N, hidden] -> attention context [N, hidden], before ``o``."""
-        qkv = ops.qkv_projection(self.q, self.k, self.v, x)  # [N, 3 * hidden]
+        qkv = stacked(x, (self.q, self.k, self.v))  # [N, 3 * hidden]
         p = self.dropout.p if self.training else 0.0
-        return ops.attention(qkv, layout, self.num_attention_heads, p)  # (the bias: layout.relative_bias)
+        return attention(qkv, layout, self.num_attention_heads, p, relative_bias=positions.relative_bias)
 
 
-class FusedAttention(layers.Fused):
+class MPNetAttention(layers.Fused, hf.MPNetAttention):
     bypassed = ("attn",)
 
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
-        return ops.dense_residual_layer_norm(self.attn.fused(x, layout), x, self.attn.o, self.dropout, self.LayerNorm)
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
+        return norm.dense_residual_layer_norm(self.attn.fused(x, layout, positions), x, self.attn.o, self.dropout,
+                                              self.LayerNorm)
 
 
-FUSED_CLASSES = layers.fused_classes(hf, "MPNet", {
-    "Embeddings": layers.FusedEmbeddings,
-    "SelfAttention": FusedSelfAttention,
-    "Attention": FusedAttention,
-    "Intermediate": layers.FusedIntermediate,
-    "Output": layers.FusedDenseResidualLayerNorm,
-    "Layer": layers.FusedLayer,
-    "Encoder": layers.FusedEncoder,
-}, globals())
-# The MLM head is RoBERTa's (dense -> gelu -> layer_norm -> decoder): MPNetLMHead gets the same fused forward.
-HEAD_CLASSES = layers.fused_classes(hf, "MPNet", roberta.HEAD_MIXINS, globals())
+class MPNetIntermediate(layers.FusedIntermediate, hf.MPNetIntermediate):
+    pass
+
+
+class MPNetOutput(layers.FusedDenseResidualLayerNorm, hf.MPNetOutput):
+    pass
+
+
+class MPNetLayer(layers.FusedLayer, hf.MPNetLayer):
+    pass
+
+
+class MPNetEncoder(layers.FusedEncoder, hf.MPNetEncoder):
+    pass
+
+
+class MPNetLMHead(FusedLMHead, hf.MPNetLMHead):
+    """RoBERTa's MLM head (dense -> gelu -> layer_norm -> decoder), with the same fused forward."""
+
+
+FUSED_CLASSES = layers.fused_map(MPNetEmbeddings, MPNetSelfAttention, MPNetAttention, MPNetIntermediate, MPNetOutput,
+                                 MPNetLayer, MPNetEncoder)
+HEAD_CLASSES = layers.fused_map(MPNetLMHead)
 
 
 def relative_bias(encoder: torch.nn.Module) -> torch.Tensor:
@@ -65,12 +84,11 @@ def relative_bias(encoder: torch.nn.Module) -> torch.Tensor:
     return table(buckets).t().float().contiguous()
 
 
-class MPNetModel(roberta.RobertaShapedModel, hf.MPNetModel):
+class MPNetModel(RobertaShapedModel, hf.MPNetModel):
     """Drop-in for ``transformers.MPNetModel``: ``MPNetModel(config, add_pooling_layer=True, unpad=True)``."""
 
     fused_classes = FUSED_CLASSES
     output_class = BaseModelOutputWithPooling
 
-    def encode(self, x, indices, layout, keep):
-        layout = padding.with_columns(dataclasses.replace(layout, relative_bias=relative_bias(self.encoder)))
-        return self.encoder.fused(x, layout, keep)
+    def positions(self, indices, layout):
+        return padding.with_columns(layout), Positions(relative_bias=relative_bias(self.encoder))

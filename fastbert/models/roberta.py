@@ -1,7 +1,7 @@
 """RoBERTa: BERT's modules, positions numbered from ``padding_idx + 1`` over the non-padding tokens.
 
-XLM-RoBERTa and CamemBERT are RoBERTa under other class names: their files reuse ``HEAD_MIXINS`` and
-``RobertaShapedModel``.
+XLM-RoBERTa and CamemBERT are RoBERTa under other class names: their files write the same classes over their
+transformers modules and share ``RobertaShapedModel`` and ``FusedLMHead``.
 """
 
 import torch
@@ -9,9 +9,8 @@ from transformers.activations import gelu
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
 from transformers.models.roberta import modeling_roberta as hf
 
-from .. import layers, modeling, ops
-
-FUSED_CLASSES = layers.fused_classes(hf, "Roberta", layers.BERT_SHAPED, globals())
+from .. import layers, modeling
+from ..ops import norm
 
 
 class FusedLMHead(layers.Fused):
@@ -20,13 +19,8 @@ class FusedLMHead(layers.Fused):
 
     def forward(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
         x = features.reshape(-1, features.shape[-1])
-        x = ops.dense_act_layer_norm(x, self.dense, gelu, self.layer_norm).view(features.shape)
+        x = norm.dense_act_layer_norm(x, self.dense, gelu, self.layer_norm).view(features.shape)
         return self.decoder(x)
-
-
-# The heads with a fused forward, for optimize(): {Prefix}LMHead.
-HEAD_MIXINS = {"LMHead": FusedLMHead}
-HEAD_CLASSES = layers.fused_classes(hf, "Roberta", HEAD_MIXINS, globals())
 
 
 class RobertaShapedModel(modeling.FusedModel):
@@ -54,6 +48,49 @@ class RobertaShapedModel(modeling.FusedModel):
         real = input_ids.ne(self.embeddings.padding_idx).long()
         before = real.cumsum(0) - real  # [N]: non-padding tokens before each, from the first sequence's start
         return (real.cumsum(0) - before[starts]) * real + self.embeddings.padding_idx
+
+
+class RobertaEmbeddings(layers.FusedEmbeddings, hf.RobertaEmbeddings):
+    pass
+
+
+class RobertaSelfAttention(layers.FusedSelfAttention, hf.RobertaSelfAttention):
+    pass
+
+
+class RobertaSelfOutput(layers.FusedDenseResidualLayerNorm, hf.RobertaSelfOutput):
+    pass
+
+
+class RobertaAttention(layers.FusedAttention, hf.RobertaAttention):
+    pass
+
+
+class RobertaIntermediate(layers.FusedIntermediate, hf.RobertaIntermediate):
+    pass
+
+
+class RobertaOutput(layers.FusedDenseResidualLayerNorm, hf.RobertaOutput):
+    pass
+
+
+class RobertaLayer(layers.FusedLayer, hf.RobertaLayer):
+    pass
+
+
+class RobertaEncoder(layers.FusedEncoder, hf.RobertaEncoder):
+    pass
+
+
+class RobertaLMHead(FusedLMHead, hf.RobertaLMHead):
+    pass
+
+
+FUSED_CLASSES = layers.fused_map(RobertaEmbeddings, RobertaSelfAttention, RobertaSelfOutput, RobertaAttention,
+                                 RobertaIntermediate, RobertaOutput, RobertaLayer, RobertaEncoder)
+FUSED_CLASSES |= layers.transformers4_variants(hf, ("RobertaSdpaSelfAttention", "RobertaFlashAttention2"),
+                                               layers.FusedSelfAttention, globals())
+HEAD_CLASSES = layers.fused_map(RobertaLMHead)
 
 
 class RobertaModel(RobertaShapedModel, hf.RobertaModel):

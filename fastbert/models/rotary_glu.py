@@ -1,32 +1,34 @@
 """The rotary + GLU encoder block (GTE, NomicBERT): post-norm BERT blocks with rotary positions and a GLU MLP, as
 mixins over transformers' modules, which both families name alike.
 
-    tables     = cos/sin(position * inv_freq)                     once per forward (rotary.tables)
+    tables     = cos/sin(position * inv_freq)                     once per forward (ops/rotary.py ``tables``)
     per layer:
-        qkv = x @ [Wq; Wk; Wv] (+ b) ; q, k = rope(q, k)          ops.qkv_projection, rotary.rotary
+        qkv = x @ [Wq; Wk; Wv] (+ b) ; q, k = rope(q, k)          ops/gemm.py ``stacked``, ops/rotary.py
         x   = post_attention_layernorm(attention(q, k, v) @ Wo (+ bo) + x)
-        h   = act(x @ Wgate) * (x @ Wup)                          gated_mlp.dense_glu (one GEMM on [up; gate])
+        h   = act(x @ Wgate) * (x @ Wup)                          ops/glu.py ``dense_glu`` (one GEMM on [up; gate])
         x   = post_mlp_layernorm(h @ Wdown (+ bdown) + x)
 
 The layers sit on the model itself (``model.layers``, no encoder module); HF's model runs
 ``layers[:num_hidden_layers]``, and so does ``RotaryGluModel``.
 """
 
-import dataclasses
-
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .. import gated_mlp, layers, modeling, ops, padding, rotary
+from .. import layers, modeling, padding
+from ..ops import glu, norm, rotary
+from ..ops.attention import attention
+from ..ops.gemm import stacked
+from ..positions import Positions
 
 
 class FusedSelfAttention(layers.Fused):
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
         """[N, hidden] -> attention context [N, heads * head_dim], before ``o_proj``."""
         num_heads = self.config.num_attention_heads
-        qkv = ops.qkv_projection(self.q_proj, self.k_proj, self.v_proj, x)  # [N, 3 * heads * head_dim]
-        qkv = rotary.rotary(qkv, layout, num_heads)
-        return ops.attention(qkv, layout, num_heads, self.attention_dropout if self.training else 0.0)
+        qkv = stacked(x, (self.q_proj, self.k_proj, self.v_proj))  # [N, 3 * heads * head_dim], a fresh tensor
+        qkv = rotary.rotary(qkv, *positions.rotary[rotary.DEFAULT], num_heads)
+        return attention(qkv, layout, num_heads, self.attention_dropout if self.training else 0.0)
 
 
 class FusedMLP(layers.Fused):
@@ -36,24 +38,15 @@ class FusedMLP(layers.Fused):
 class FusedLayer(layers.Fused):
     bypassed = ("self_attn", "mlp")
 
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
-        attention, mlp = self.self_attn, self.mlp
-        x = ops.dense_residual_layer_norm(attention.fused(x, layout), x, attention.o_proj,
-                                          self.post_attention_dropout, self.post_attention_layernorm)
-        h = gated_mlp.dense_glu(x, mlp.up_proj, mlp.gate_proj, mlp.act_fn)  # [N, intermediate]
+    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
+        attn, mlp = self.self_attn, self.mlp
+        x = norm.dense_residual_layer_norm(attn.fused(x, layout, positions), x, attn.o_proj,
+                                           self.post_attention_dropout, self.post_attention_layernorm)
+        h = glu.dense_glu(x, mlp.up_proj, mlp.gate_proj, mlp.act_fn)  # [N, intermediate]
         dropout = getattr(mlp, "dropout", None)
         if dropout is not None and mlp.training:
             h = dropout(h)
-        return ops.dense_residual_layer_norm(h, x, mlp.down_proj, self.post_mlp_dropout, self.post_mlp_layernorm)
-
-
-# transformers' class-name suffix -> mixin, for the rotary + GLU families (class ``{prefix}{suffix}``).
-MIXINS = {
-    "Embeddings": layers.FusedEmbeddings,
-    "Attention": FusedSelfAttention,
-    "MLP": FusedMLP,
-    "Layer": FusedLayer,
-}
+        return norm.dense_residual_layer_norm(h, x, mlp.down_proj, self.post_mlp_dropout, self.post_mlp_layernorm)
 
 
 class RotaryGluModel(modeling.FusedModel):
@@ -67,6 +60,8 @@ class RotaryGluModel(modeling.FusedModel):
     def max_seq_len(self, input_ids):
         return None  # rotary positions: no table bounds the length (nor does transformers)
 
-    def encode(self, x, indices, layout, keep):
-        layout = dataclasses.replace(layout, rotary={rotary.DEFAULT: rotary.tables(self.rotary_emb, indices[2])})
-        return layers.run_layers(self, self.layers[: self.config.num_hidden_layers], x, layout, keep)
+    def positions(self, indices, layout):
+        return layout, Positions(rotary={rotary.DEFAULT: rotary.tables(self.rotary_emb, indices[2])})
+
+    def encode(self, x, layout, positions, keep):
+        return layers.run_layers(self, self.layers[: self.config.num_hidden_layers], x, layout, positions, keep)

@@ -1,0 +1,152 @@
+"""A forward's inputs, made ready in one straight pass:
+
+    validate   shapes, dtypes, devices, lengths (``validation.check_inputs``: clear errors naming the argument)
+    positions  the family's numbering when ``position_ids`` is not given (``FusedModel.position_ids``)
+    check      every id inside its table, with the lengths packing needs read back in the same transfer
+               (``validation.flat_indices``: the one host sync of a padded GPU forward, none for CPU inputs)
+    pack       the real tokens' rows when the mask has padding (``padding.unpadded_layout``), else the dense layout;
+               spare rows where oneDNN runs the GEMMs (``padding.bucket_rows``)
+    device     host inputs queued to a GPU model without waiting for it
+
+-> (indices [3, N] int64: each row's word, token type and position; the layout: where the rows sit in [B, S]).
+``prepare_packed`` does the same for sequences that come back to back without padding (``forward_packed``).
+"""
+
+import torch
+
+from . import announce, dispatch, int8, padding, validation
+from . import plan as plans
+from .ops import gemm
+
+# The inputs the fused forward reads, by transformers' argument names.
+NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+
+def prepare(model, inputs: dict, graph_safe: bool = False, unpad: bool | None = None,
+            ) -> tuple[torch.Tensor, padding.TokenLayout]:
+    """``inputs`` (``NAMES``, None where not given) of ``model`` (a ``FusedModel``) -> (indices [3, N], layout), on
+    the model's device. graph_safe: read no device data (no range check, no packing), as a CUDA graph capture
+    requires. unpad: pack the real tokens if the mask has padding (default ``model.unpad``).
+
+    The integer inputs may be on the model's device or, all of them, on the CPU (as tokenizers return them): the
+    checks, lengths and layout are then computed on the host and queued to the device without waiting for it."""
+    mask = inputs["attention_mask"]
+    ids, positions_name = _token_ids(model, inputs)  # checked; [B, S] each
+    batch, seq_len = ids[0].shape
+    packs = not graph_safe and _packs(batch, seq_len, mask, model.unpad if unpad is None else unpad)
+    read_back = _read_back(model, mask) if packs else None
+    indices, host = validation.flat_indices(*ids, limits(model), positions_name, read_back, graph_safe)  # [3, B*S]
+    if packs:
+        layout = padding.unpadded_layout(mask, read_back[:batch], host[:batch])
+        _note_first_token(model, layout, host[batch:])
+    else:
+        layout = padding.dense_layout(batch, seq_len, mask)
+    if layout.packed:
+        indices = indices.index_select(1, layout.indices)  # [3, N]
+    return _to_device(model, *_bucketed(model, indices, layout))
+
+
+def prepare_packed(model, input_ids: torch.Tensor, seqlens: tuple[int, ...]) -> tuple[torch.Tensor,
+                                                                                      padding.TokenLayout]:
+    """Sequences back to back: input_ids [N] (sequence b the next ``seqlens[b]`` ids) -> (indices [3, N], the packed
+    layout), token types 0 and positions numbered per sequence (``FusedModel.packed_position_ids``)."""
+    if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be a 1-D int64 tensor of token ids, got {tuple(input_ids.shape)} "
+                         f"{input_ids.dtype}")
+    if not seqlens or min(seqlens) < 1 or sum(seqlens) != input_ids.shape[0]:
+        raise ValueError(f"seqlens must be >= 1 each and add up to the {input_ids.shape[0]} ids, got "
+                         f"{list(seqlens)[:8]}{'...' if len(seqlens) > 8 else ''}")
+    ids = input_ids.long().cpu()
+    lengths = torch.tensor(seqlens)
+    starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # [N]: its sequence's first row
+    positions = model.packed_position_ids(ids, starts)
+    indices, _ = validation.flat_indices(ids[None], torch.zeros_like(ids)[None], positions[None], limits(model),
+                                         "positions (numbered within each sequence)")
+    return _to_device(model, *_bucketed(model, indices, padding.packed_layout(seqlens, torch.device("cpu"))))
+
+
+def limits(model) -> list[int]:
+    """The sizes of the word, token-type and position tables the ids index (a family without token types: 1;
+    rotary positions index no table: ``validation.UNBOUNDED``)."""
+    embeddings = model.embeddings
+    token_types, positions = embeddings.table("token_type"), embeddings.table("position")
+    return [embeddings.table("word").weight.shape[0], 1 if token_types is None else token_types.weight.shape[0],
+            validation.UNBOUNDED if positions is None else positions.weight.shape[0]]
+
+
+def _token_ids(model, inputs: dict) -> tuple[tuple[torch.Tensor, ...], str]:
+    """Checks the inputs (clear errors before any kernel runs) -> ((word, token type, position ids, [B, S] each, on
+    the device of the integer inputs), what a range error calls the positions)."""
+    input_ids, mask, inputs_embeds = inputs["input_ids"], inputs["attention_mask"], inputs["inputs_embeds"]
+    embeddings = model.embeddings
+    # (DistilBERT has no token types; transformers ignores them too, e.g. a pair tokenizer's)
+    token_type_ids = inputs["token_type_ids"] if embeddings.table("token_type") is not None else None
+    word = embeddings.table("word").weight
+    position_ids = inputs["position_ids"]
+    batch, seq_len = validation.check_inputs(word, input_ids, mask, token_type_ids, position_ids, inputs_embeds,
+                                             None if position_ids is not None else model.max_seq_len(input_ids))
+    device = next((t.device for t in (input_ids, mask, token_type_ids, position_ids) if t is not None), word.device)
+    if token_type_ids is None:
+        token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+    positions_name = "position_ids"
+    if position_ids is None:
+        position_ids, positions_name = model.position_ids(input_ids, batch, seq_len, device)
+    if input_ids is None:
+        input_ids = torch.zeros_like(token_type_ids)
+    return (input_ids, token_type_ids, position_ids.expand(batch, seq_len)), positions_name
+
+
+def _packs(batch: int, seq_len: int, attention_mask: torch.Tensor | None, unpad: bool) -> bool:
+    """Whether to pack the real tokens (when the mask turns out to have padding; dense otherwise). Under
+    torch.compile and export the dense (masked) path runs: packing sizes tensors from the data, which a static graph
+    cannot do."""
+    return not (attention_mask is None or not unpad or torch.compiler.is_compiling() or dispatch.exporting()
+                or batch * seq_len == 0)
+
+
+def _read_back(model, mask: torch.Tensor) -> torch.Tensor:
+    """What packing needs on the host, read back with the range check: [B] sequence lengths, then, when the model
+    reads position 0 (``first_token_reader``), [B] whether position 0 is a real token."""
+    lengths = padding.sequence_lengths(mask)
+    if model.first_token_reader() is None:
+        return lengths
+    return torch.cat([lengths, mask[:, 0].to(lengths.dtype)])
+
+
+def _note_first_token(model, layout: padding.TokenLayout, first_is_real: tuple[int, ...]) -> None:
+    """Say once that a left-padded batch feeds zeros to what reads position 0 (transformers feeds it a value computed
+    from the padding token there)."""
+    if layout.packed and not all(first_is_real):
+        announce.note(
+            f"{type(model).__name__}: {model.first_token_reader()} reads position 0, and rows of this batch have "
+            "padding there (left padding). fastbert runs padding-free, so the hidden state there is zeros, where "
+            "transformers computes a value from the padding token that depends on its attention implementation. Pad "
+            "on the right (tokenizer.padding_side = 'right'), or set unpad=False on the encoder "
+            "(fastbert.BertModel(..., unpad=False), or model.<encoder>.unpad = False after optimize) to compute "
+            "position 0 as transformers does."
+        )
+
+
+def _bucketed(model, indices: torch.Tensor, layout: padding.TokenLayout):
+    """Spare rows up to ``padding.bucket_rows`` where oneDNN runs the GEMMs (its fp32 linear, or its int8 one for a
+    model ``fastbert.quantize`` chose): its memory grows with every distinct row count it sees."""
+    if plans.decided(model, "bucket_rows", _buckets_rows, model):
+        return padding.with_spare_rows(indices, layout, padding.bucket_rows(layout.tokens))
+    return indices, layout
+
+
+def _buckets_rows(model) -> bool:
+    word = model.get_input_embeddings().weight
+    if word.device.type != "cpu" or not plans.plannable() or (
+            torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())):
+        return False
+    return gemm.onednn_runs(word.device, word.dtype) or int8.runs_in(model)
+
+
+def _to_device(model, indices: torch.Tensor, layout: padding.TokenLayout):
+    word = model.get_input_embeddings().weight
+    if indices.device == word.device:
+        return indices, layout
+    # (host inputs, GPU model: a right-padded mask goes as bounds only)
+    layout = padding.bounds_only(layout) if word.device.type == "cuda" else layout
+    return padding.to_device(indices, word.device), layout.to(word.device)

@@ -1,0 +1,75 @@
+"""The ops of an encoder layer, one module each: what the model calls, and the backends each op declares.
+
+    gemm.py        linear: QKV stacked, dense + activation or residual in the epilogue  int8, onednn, torch
+    embedding.py   LayerNorm(word[ids] + position[pos] + token_type[tt])                cuda-ext, cpu-ext, triton, torch
+    attention.py   softmax(q k^T / sqrt(d) + bias) v over each sequence's tokens        cpu-ext, triton, torch
+    rotary.py      RoPE on q and k                                                      triton, torch
+    norm.py        LayerNorm(dense(x) + residual), pre-norm LayerNorm, LayerNorm(act)   triton, torch
+    activation.py  act(dense(x))                                                        triton, torch
+    glu.py         act(gate(x)) * up(x)                                                 triton, torch
+
+Each op module reads top to bottom: the call it decides on, the implementations fastbert writes outside Triton (the
+``_C`` bindings, the torch paths), its backends declared as data (``dispatch.Backend``: a name, the reasons it cannot
+run, how it runs) and the function the layers call. The Triton kernels, with the pure-PyTorch references they are
+checked against, live in ``kernels/`` (installed as ``fastbert.kernels``); the CPU GEMM libraries in ``cpu_gemm.py``
+(oneDNN) and ``int8_linear.py``. A call's decision is taken by ``dispatch.decide`` and kept in the forward's plan
+(``plan.decided``) under its owning module: every op takes transformers' modules that own the weights, reads their
+weights only when they are plain (``plain.is_plain``) and calls them otherwise, so PEFT, hooks, offload and
+quantization run as in transformers.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import derived
+from ..kernels.activation import ACTIVATIONS
+from ..plain import has_hooks, is_plain
+
+
+def _activation_types() -> dict[type, str]:
+    from transformers.activations import ACT2FN
+
+    return {type(ACT2FN[name]): name for name in ACTIVATIONS}
+
+
+# HF's activation module types -> their names (built once: a dict lookup is all a forward, or a compiled graph, does)
+_ACTIVATION_TYPES = _activation_types()
+
+
+def activation_name(act_fn: nn.Module) -> str | None:
+    """HF's name for the activation module ``act_fn`` (a key of ``kernels.activation.ACTIVATIONS``: the module the
+    model holds decides, not the config it was built from), or None for one fastbert does not compute or one with
+    hooks (which must run as a module)."""
+    name = _ACTIVATION_TYPES.get(type(act_fn))
+    return None if name is None or has_hooks(act_fn) else name
+
+
+def why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> list[str]:
+    """Why a kernel cannot read these modules' weights (the first one that is not plain), or []."""
+    for name, (module, cls) in modules.items():
+        if not is_plain(module, cls, device):
+            return [f"{name} is a {type(module).__name__} with hooks, a wrapper or parameters elsewhere than the "
+                    "input, so it is called as a module (as HF does)"]
+    return []
+
+
+def layer_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for x [tokens, hidden]: ``F.layer_norm`` on a plain LayerNorm's weights (no module call), the module
+    otherwise."""
+    if not is_plain(norm, nn.LayerNorm, x.device):
+        return norm(x)
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def ln_bias(norm: nn.LayerNorm) -> torch.Tensor:
+    """A plain LayerNorm's bias, or zeros for one without (``bias=False``, ModernBERT's): the kernels always add one
+    (a cached [hidden] zero vector costs one load per row; a kernel variant would cost a compile)."""
+    if norm.bias is not None:
+        return norm.bias
+    return derived.cached(norm, "zero_bias", (norm.weight,), torch.zeros_like)
+
+
+def dropout_p(dropout: nn.Module | None) -> float:
+    """The probability ``dropout`` applies now (0 in eval mode, or without one)."""
+    return getattr(dropout, "p", 0.0) if dropout is not None and dropout.training else 0.0

@@ -1,0 +1,310 @@
+"""Attention over a token layout: softmax(q k^T / sqrt(d) + bias) v per head, over each sequence's real tokens.
+
+    qkv [rows, 3 * hidden] (the fused QKV GEMM's output) -> [rows, hidden]
+
+Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_varlen.py``'s
+``attention_varlen_ref``. Backends, fastest first:
+
+  cpu-ext  fastbert._C's C++ kernel (csrc/attention_cpu.h): float32 inference on the CPU over packed tokens or a batch
+           without padding, where it measured faster than SDPA on this CPU (``cpu.attention_figures``)
+  triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
+           over packed tokens (``kernels/attention_varlen.py``); head dims up to ``MAX_HEAD_DIM``; windows and
+           MPNet's relative bias inside the kernel
+  torch    SDPA: dense with an additive mask; packed per sequence on the CPU, or scattered into one masked SDPA over
+           the padded batch on a GPU. Differentiable: gradients and dropout run here.
+
+Distances (a window, the relative bias) are between columns, places in the padded [B, S] batch, as transformers
+measures them; a packed layout whose mask has holes carries them in ``layout.columns``.
+"""
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .. import _extension, cpu, dispatch
+from ..dispatch import Backend, MeasuredChoice
+from ..kernels import attention as triton_attention
+from ..kernels import attention_varlen as triton_varlen
+from ..kernels._common import launch_or_op
+from ..padding import TokenLayout
+from ..plan import decided
+
+
+# --- fastbert._C's CPU kernel -----------------------------------------------------------------------------------------
+
+
+def attention_cpu_unavailable_reasons() -> list[str]:
+    """Why ``attention_cpu`` cannot run here ([] when it can): a property of this build and CPU, found once."""
+    return list(_attention_cpu_reasons())
+
+
+@functools.cache
+def _attention_cpu_reasons() -> tuple[str, ...]:
+    _C = _extension._C
+    if _C is None:
+        return (_extension._IMPORT_ERROR,)
+    if not hasattr(_C, "attention_cpu"):
+        return ("fastbert._C predates the CPU attention kernel; reinstall fastbert",)
+    if not _C.attention_cpu_isas():
+        return ("fastbert's CPU attention kernel needs an x86-64 CPU with AVX2 and FMA",)
+    if not _extension.build_info()["openmp"]:
+        return ("fastbert._C was built without OpenMP, so its CPU attention would run on one thread",)
+    return ()
+
+
+def attention_cpu_isas() -> list[str]:
+    """The instruction sets the CPU attention can run with here, fastest first ("avx512", "avx2")."""
+    return [] if attention_cpu_unavailable_reasons() else list(_extension._C.attention_cpu_isas())
+
+
+def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa=""):
+    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be a float32 CPU tensor [tokens, 3, heads, head_dim], got {tuple(qkv.shape)} "
+                         f"{qkv.dtype} on {qkv.device}")
+    if any(length < 0 for length in seqlens) or sum(seqlens) != qkv.shape[0]:
+        raise ValueError(f"seqlens must be >= 0 and add up to qkv's {qkv.shape[0]} tokens, got {list(seqlens)}")
+    if relative_bias is not None and (relative_bias.dtype != torch.float32 or relative_bias.device.type != "cpu"
+                                      or relative_bias.dim() != 2 or relative_bias.shape[0] != qkv.shape[2]
+                                      or relative_bias.shape[1] % 2 == 0):
+        raise ValueError(f"relative_bias must be a float32 CPU tensor [heads, 2 * radius + 1] = [{qkv.shape[2]}, odd], "
+                         f"got {tuple(relative_bias.shape)} {relative_bias.dtype} on {relative_bias.device}")
+    if isa and isa not in attention_cpu_isas():
+        raise ValueError(f"isa must be one of {attention_cpu_isas()} on this CPU, or '' for the fastest, got {isa!r}")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be None or >= 0, got {window}")
+    if columns is not None and (columns.dtype != torch.int32 or columns.shape != (qkv.shape[0],)
+                                or columns.device.type != "cpu"):
+        raise ValueError(f"columns must be an int32 CPU tensor [{qkv.shape[0]}], got {tuple(columns.shape)} "
+                         f"{columns.dtype} on {columns.device}")
+
+
+def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="") -> torch.Tensor:
+    tensors = [None if t is None else t.detach().contiguous() for t in (qkv, relative_bias, columns)]
+    qkv, relative_bias, columns = tensors
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)
+    reasons = attention_cpu_unavailable_reasons()
+    if reasons:
+        raise RuntimeError(reasons[0])
+    heads, head_dim = qkv.shape[2], qkv.shape[3]
+    out = qkv.new_empty(qkv.shape[0], heads, head_dim)
+    _extension._C.attention_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), heads, head_dim,
+                                0 if relative_bias is None else relative_bias.data_ptr(),
+                                0 if relative_bias is None else (relative_bias.shape[1] - 1) // 2,
+                                -1 if window is None else window, 0 if columns is None else columns.data_ptr(),
+                                head_dim ** -0.5, torch.get_num_threads(), isa)
+    return out
+
+
+@torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
+def _attention_cpu_op(qkv: torch.Tensor, seqlens: list[int], relative_bias: torch.Tensor | None,
+                      window: int | None, columns: torch.Tensor | None, isa: str) -> torch.Tensor:
+    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa)
+
+
+@_attention_cpu_op.register_fake
+def _(qkv, seqlens, relative_bias, window, columns, isa):
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)
+    return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
+
+
+def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None, window: int | None = None,
+                  columns: torch.Tensor | None = None, isa: str = "") -> torch.Tensor:
+    """Padding-free float32 attention on the CPU, forward only (csrc/attention_cpu.h; reference:
+    ``kernels/attention_varlen.py``'s ``attention_varlen_ref``): qkv [T, 3, H, D] -> [T, H, D], sequence b the next
+    ``seqlens[b]`` rows. relative_bias: None or float32 [H, 2R + 1] by distance j - i clamped to [-R, R]; window:
+    None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
+    columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each). Raises
+    ValueError before the kernel runs when the arguments do not fit."""
+    return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
+                        isa)
+
+
+# --- torch's SDPA -----------------------------------------------------------------------------------------------------
+
+
+def _every_key_real(layout: TokenLayout) -> bool:
+    """Whether a dense CPU layout has no padding: no mask, or one of ones (unpad=False; a host read, so that it runs
+    as without the mask, bit for bit). A compiled graph keeps the masked path rather than branch on the data."""
+    mask = layout.key_mask()
+    return mask is None or (not torch.compiler.is_compiling() and bool(mask.all()))
+
+
+def _band(columns: torch.Tensor, window: int) -> torch.Tensor:
+    """columns [..., S] -> [..., S, S] bool: True where the query's and the key's columns are within ``window``."""
+    return (columns[..., :, None] - columns[..., None, :]).abs() <= window
+
+
+def _relative(relative_bias: torch.Tensor, columns: torch.Tensor | None, length: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """relative_bias [H, 2R + 1] -> [H, L, L] in ``dtype``: the bias of each key's distance to each query, clamped to
+    [-R, R]. columns: the L tokens' columns [L], or None for a run of consecutive columns (no hole in the mask)."""
+    radius = (relative_bias.shape[1] - 1) // 2
+    if columns is None:
+        # Toeplitz: entry [i, j] depends on j - i only, so every row is a window onto one line of the 2L - 1
+        # distances, line[k] = bias of distance (L - 1) - k; row i, column j is line[i + (L - 1 - j)]. Windows and a
+        # flip copy [H, L, L] once, about 10x faster than gathering it by an [L, L] index (per layer, per sequence).
+        distance = torch.arange(length - 1, -length, -1, device=relative_bias.device)
+        line = relative_bias[:, distance.clamp(-radius, radius) + radius]  # [H, 2L - 1]
+        return line.unfold(1, length, 1).flip(2).to(dtype)
+    distance = columns[None, :] - columns[:, None]  # [L_q, L_k]: key column - query column
+    return relative_bias[:, distance.clamp(-radius, radius) + radius].to(dtype)
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool keep mask -> additive float mask with the dtype's most negative finite value where False (as HF does): a
+    fully masked row then averages its values instead of producing NaN, and cannot poison other rows."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)
+
+
+def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, window: int | None = None,
+                    relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense layout through torch SDPA. heads: [B*S, 3, H, D] -> [B, S, H, D]."""
+    q, k, v = heads.view(layout.batch, layout.seq_len, *heads.shape[1:]).permute(2, 0, 3, 1, 4)  # [B, H, S, D] each
+    keep, keys = None, layout.key_mask()
+    if keys is not None:
+        keep = keys[:, None, None, :]  # [B, 1, 1, S]
+    mask = None if keep is None else _additive(keep, q.dtype)
+    if window is not None:
+        # A bool mask: a padding query with no real key in its window gets zeros (SDPA's safe softmax), as with
+        # transformers' masks and the Triton kernel; it is what a head reading position 0 of a left-padded row sees
+        # with unpad=False.
+        band = _band(torch.arange(layout.seq_len, device=q.device), window)  # [S, S]
+        mask = band if keep is None else keep & band
+    if relative_bias is not None:  # [1, H, S, S] added to the scores; a window, where given, masks after it
+        bias = _relative(relative_bias, None, layout.seq_len, q.dtype)[None]
+        mask = bias if mask is None else (bias + mask if mask.dtype != torch.bool
+                                          else bias.masked_fill(~mask, torch.finfo(q.dtype).min))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # [B, H, S, D]
+    return out.transpose(1, 2)
+
+
+def _attention_varlen_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, window: int | None = None,
+                           relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed layout on CPU through torch: SDPA on each sequence's rows (views, no padding back to the max).
+
+    heads: [T, 3, H, D] -> [T, H, D]. One SDPA per sequence: on CPU each call is large enough that the loop costs
+    little, and no FLOP is spent on padding. With a window or a relative bias, each sequence gets a mask from its
+    tokens' ``layout.columns`` [T] (or their offsets).
+    """
+    outputs, seqlens = [], list(layout.seqlens)
+    columns = layout.columns if window is not None or relative_bias is not None else None
+    chunks = columns.split(seqlens) if columns is not None else [None] * len(seqlens)
+    for chunk, cols in zip(heads.split(seqlens), chunks):
+        q, k, v = chunk.permute(1, 2, 0, 3)[:, None]  # [1, H, L, D] each
+        length, mask = chunk.shape[0], None
+        if window is not None:  # (every query sees itself: no row is fully masked)
+            mask = _band(torch.arange(length, device=chunk.device) if cols is None else cols, window)  # [L, L] bool
+        if relative_bias is not None:
+            bias = _relative(relative_bias, cols, length, q.dtype)[None]  # [1, H, L, L]
+            mask = bias if mask is None else bias.masked_fill(~mask, torch.finfo(q.dtype).min)
+        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)[0]
+                       .transpose(0, 1))
+    return torch.cat(outputs) if outputs else heads.new_empty(0, *heads.shape[2:])
+
+
+def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float,
+                                      window: int | None = None,
+                                      relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed layout through one masked SDPA over the padded batch (GPU training, or a head dim the Triton kernel
+    does not take): heads [T, 3, H, D] -> [T, H, D]. Differentiable: the scatter into the padded buffer and the gather
+    back are index ops; every other op of the layer still runs on the T real tokens only."""
+    batch, seq_len = layout.batch, layout.seq_len
+    padded = heads.new_zeros(batch * seq_len, *heads.shape[1:]).index_copy(0, layout.indices, heads)
+    real = torch.zeros(batch * seq_len, dtype=torch.bool, device=heads.device).index_fill_(0, layout.indices, True)
+    dense = TokenLayout(batch, seq_len, key_padding_mask=real.view(batch, seq_len))
+    out = _attention_sdpa(padded, dense, dropout_p, window, relative_bias)  # [B, S, H, D] (by index: by column)
+    return out.reshape(batch * seq_len, *out.shape[2:]).index_select(0, layout.indices)
+
+
+# --- backends ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    head_dim: int
+    reasons: tuple[str, ...]  # why only torch's differentiable SDPA may run it (gradients, dropout, a trainable bias)
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _triton_why_not(call: Call) -> list[str]:
+    if call.reasons:
+        return list(call.reasons)
+    if call.head_dim > triton_attention.MAX_HEAD_DIM:
+        return [f"head_dim {call.head_dim} exceeds the Triton attention kernel's {triton_attention.MAX_HEAD_DIM}"]
+    return []
+
+
+def _triton_run(call, heads, layout, dropout_p, window, relative_bias):
+    columns = layout.columns if window is not None or relative_bias is not None else None
+    if layout.packed:
+        return triton_varlen.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen, window, columns,
+                                                 relative_bias)
+    padded = heads.view(layout.batch, layout.seq_len, *heads.shape[1:])
+    return triton_attention.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias)
+
+
+def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
+    reasons = attention_cpu_unavailable_reasons()
+    if reasons:
+        return reasons
+    try:
+        slower = cpu.attention_slower_reason(attention_cpu)
+    except RuntimeError as error:  # the kernel refusing this CPU: SDPA, never a failed forward
+        return [f"the C++ CPU attention failed here: {error}"]
+    return [MeasuredChoice(slower)] if slower else []
+
+
+def _cpu_run(call, heads, layout, dropout_p, window, relative_bias):
+    columns = layout.columns if window is not None or relative_bias is not None else None
+    if layout.packed:
+        return attention_cpu(heads, layout.seqlens, relative_bias, window, columns)
+    if _every_key_real(layout):  # dense with every token real: batch sequences of seq_len rows each
+        return attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window)
+    return _torch_run(call, heads, layout, dropout_p, window, relative_bias)  # (unpad=False keeps padded rows)
+
+
+def _torch_run(call, heads, layout, dropout_p, window, relative_bias):
+    if not layout.packed:
+        return _attention_sdpa(heads, layout, dropout_p, window, relative_bias)
+    if heads.device.type == "cuda":  # (a loop of small SDPA calls would be host-bound on a GPU)
+        return _attention_packed_via_padded_sdpa(heads, layout, dropout_p, window, relative_bias)
+    return _attention_varlen_sdpa(heads, layout, dropout_p, window, relative_bias)
+
+
+# (cpu-ext before triton: on a CPU the C++ kernel, and Triton only where asked for, FASTBERT_BACKEND=triton under
+# its interpreter; on a GPU cpu-ext never applies)
+BACKENDS = dispatch.register("attention", [
+    # (float32 only: bfloat16 takes torch's flash SDPA, which keeps its scores in float32 too)
+    Backend("cpu-ext", run=_cpu_run, unavailable=_cpu_unavailable, why_not=lambda call: list(call.reasons),
+            devices=("cpu",), dtypes=(torch.float32,)),
+    Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
+    Backend("torch", run=_torch_run),
+])
+
+
+def _decide(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: float, head_dim: int):
+    reasons = dispatch.needs_reference(qkv, relative_bias, dropout_p=dropout_p)
+    return dispatch.decide("attention", BACKENDS, Call(head_dim, tuple(reasons), qkv.device, qkv.dtype))
+
+
+def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0,
+              window: int | None = None, relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v per head, over each sequence's real tokens.
+
+    qkv: [rows, 3 * hidden] -> [rows, hidden] (rows: the layout's tokens, then its spare rows, which come out zero).
+    window: None, or the largest distance between a query and a key it attends to (ModernBERT's local layers).
+    relative_bias: None or float32 [H, 2R + 1], the bias of the distance j - i clamped to [-R, R] (MPNet's relative
+    positions, shared by every layer).
+    """
+    tokens, hidden = layout.tokens, qkv.shape[1] // 3
+    head_dim = hidden // num_heads
+    # (the same decision for every layer with the same arguments; a trainable bias needs the differentiable path too)
+    decision = decided(None, ("attention", qkv.requires_grad, relative_bias is not None and relative_bias.requires_grad,
+                              dropout_p, head_dim), _decide, qkv, relative_bias, dropout_p, head_dim)
+    real = qkv[:tokens] if layout.spare_rows else qkv
+    out = decision(real.view(tokens, 3, num_heads, head_dim), layout, dropout_p, window, relative_bias)
+    out = out.reshape(tokens, hidden)  # (SDPA's math backend, for dropout and float64, returns [B, H, S, D] memory)
+    return torch.cat([out, out.new_zeros(layout.spare_rows, hidden)]) if layout.spare_rows else out

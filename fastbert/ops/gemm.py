@@ -1,0 +1,222 @@
+"""The GEMMs of a layer, with what follows them fused where a backend can.
+
+    linear(x, dense, act_fn, residual)    y = act(x @ W^T + b), or x @ W^T + b + residual        [tokens, out]
+    stacked(x, linears)                   [y_1 | y_2 | ...] for Linears reading one input: QKV, GLU's [up; gate]
+
+x: [tokens, in], W: [out, in]. Backends, fastest first:
+
+  int8    a Linear ``fastbert.quantize`` chose, on the CPU: oneDNN's quantized linear (``int8_linear.py``) on its
+          quantized weight (a derived cache), the bias, activation or residual in its epilogue
+  onednn  a plain Linear on the CPU, where oneDNN measured faster than torch's F.linear here (``cpu.gemm_figures``):
+          the weight prepacked in oneDNN's layout (a derived cache), the epilogue inside the GEMM
+  torch   F.linear on a plain Linear's weights (a stacked weight is a derived cache, concatenated per call when
+          gradients need to reach the parameters); a module that is not plain is called; the epilogue in torch ops
+          and HF's activation module. Always applies: what transformers runs, and cuBLAS on a GPU.
+
+The packed backends need the module's own parameters and eager code (``why_not_packed``); keeping F.linear is never
+slower than transformers nor less precise, so it is reported, not warned.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import cpu, cpu_gemm, derived, dispatch, int8, int8_linear
+from ..dispatch import Backend, ByDesign, MeasuredChoice
+from ..plain import is_plain
+from ..plan import decided
+from . import activation_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a GEMM's decision reads: its Linears (side by side; the first owns the derived caches), the epilogue,
+    and the facts about them and the input that choose a backend."""
+
+    linears: tuple[nn.Module, ...]
+    act_fn: nn.Module | None  # HF's activation module after the GEMM, or None
+    activation: str | None  # its name where an epilogue computes it (kernels.activation.ACTIVATIONS)
+    residual: bool  # a residual is added after the GEMM
+    plain: bool  # every Linear is a plain nn.Linear (a kernel may read its weights)
+    reference: tuple[str, ...]  # why only differentiable torch ops may run it (gradients)
+    packed: str | None  # why its weights cannot be used prepacked (compile, export, autocast, torch.func)
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def owner(self) -> nn.Module:
+        return self.linears[0]
+
+
+def why_not_packed(x: torch.Tensor, weights: tuple) -> str | None:
+    """Why a CPU GEMM of ``x`` with ``weights`` cannot run on weights prepacked beside their parameters (oneDNN's
+    fp32 packing, int8), or None: compiled and exported graphs, autocast (it would not reach the packed op) and
+    torch.func transforms keep F.linear, and a weight that is not the module's parameter has no cache."""
+    if torch.compiler.is_compiling() or dispatch.exporting():
+        return "compiled and exported graphs keep F.linear"
+    if torch.is_autocast_enabled("cpu") or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return "autocast and torch.func transforms run F.linear"
+    if not all(type(w) is nn.Parameter for w in weights):
+        return "a weight that is not the module's parameter has no prepacked copy"
+    return None
+
+
+def parameters(linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...] | None:
+    """The weights, then the biases, of Linears whose outputs one GEMM computes side by side; no biases where none
+    has one; None where some have a bias and others not (they then run one by one)."""
+    weights, biases = tuple(m.weight for m in linears), [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return weights
+    return None if any(b is None for b in biases) else weights + tuple(biases)
+
+
+def stack(count: int, *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``parameters`` of ``count`` Linears -> (weight [sum of outputs, in], bias [sum of outputs] or None)."""
+    return torch.cat(params[:count]), torch.cat(params[count:]) if len(params) > count else None
+
+
+# --- backends ---------------------------------------------------------------------------------------------------------
+
+
+def _int8_why_not(call: Call) -> list[str]:
+    if not all(int8.chosen(m) is not None for m in call.linears):
+        return [ByDesign("not quantized by fastbert.quantize")]
+    if call.reference:
+        return ["int8 GEMMs run in float32 where gradients are required or dropout is active (training)"]
+    if not call.plain:
+        return ["a quantized Linear was wrapped or hooked since: it is called as a module"]
+    if call.packed:
+        return [f"int8 GEMMs run in float32: {call.packed}"]
+    if call.dtype != torch.float32:
+        return [f"int8 GEMMs run in float32: they take a float32 model, not {call.dtype}"]
+    return [f"int8 GEMMs run in float32: {reason}" for reason in int8.unavailable_reasons()]
+
+
+def _int8_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    choice, owner = int8.chosen(call.owner), call.owner
+    int8.record(call.linears, x)
+    if len(call.linears) == 1:
+        weight = derived.cached(owner, "int8_weight", (owner.weight,), lambda w: int8_linear.quantize_weight(
+            w, choice.bits, choice.smooth))
+        bias = owner.bias
+    else:
+        def build(*params):
+            weight, bias = stack(len(call.linears), *params)
+            return int8_linear.quantize_weight(weight, choice.bits, choice.smooth), bias
+
+        weight, bias = derived.cached(owner, "int8_stacked", parameters(call.linears), build)
+    return _epilogue(call, int8_linear.linear(x, weight, bias, call.activation, residual, int8.real_rows(x),
+                                              choice.per_token))
+
+
+def _onednn_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
+    requested = dispatch.settings().cpu_gemm
+    reasons = cpu_gemm.unavailable_reasons(dtype)
+    if requested == "onednn" and reasons:  # forced where it cannot run: said
+        return [f"{dispatch.ENV_CPU_GEMM}=onednn, but oneDNN cannot run {dtype} GEMMs here ({'; '.join(reasons)}): "
+                "torch's F.linear runs them"]
+    if requested == "torch" or reasons:  # (F.linear is what transformers runs: reported, not warned)
+        return [MeasuredChoice(f"{dispatch.ENV_CPU_GEMM}=torch")] if requested == "torch" else \
+            [MeasuredChoice(reason) for reason in reasons]
+    if requested == "auto":
+        try:
+            slower = cpu.onednn_slower_reason(dtype)
+        except RuntimeError as error:  # oneDNN refusing this CPU or dtype: keep F.linear, never fail the forward
+            return [MeasuredChoice(f"oneDNN linear failed here: {error}")]
+        return [MeasuredChoice(slower)] if slower else []
+    return []
+
+
+def _onednn_why_not(call: Call) -> list[str]:
+    if call.reference or not call.plain:
+        return [ByDesign("the GEMM runs as transformers runs it (gradients, or a wrapped Linear)")]
+    return [ByDesign(call.packed)] if call.packed else []
+
+
+def _epilogue(call: Call, y: torch.Tensor) -> torch.Tensor:
+    """HF's activation module after a GEMM whose epilogue could not compute it (an activation oneDNN lacks)."""
+    return y if call.act_fn is None or call.activation is not None else call.act_fn(y)
+
+
+def _onednn_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    owner = call.owner
+    if len(call.linears) == 1:
+        packed = derived.cached(owner, "onednn_weight", (owner.weight,), cpu_gemm.pack)
+        bias = owner.bias
+    else:
+        def build(*params):
+            weight, bias = stack(len(call.linears), *params)
+            return cpu_gemm.pack(weight), bias
+
+        packed, bias = derived.cached(owner, "onednn_stacked", parameters(call.linears), build)
+    return _epilogue(call, cpu_gemm.linear(x, packed, bias, call.activation, residual))
+
+
+def _torch_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    linears = call.linears
+    if not call.plain:
+        y = linears[0](x) if len(linears) == 1 else torch.cat([m(x) for m in linears], dim=-1)
+    elif len(linears) == 1:
+        y = F.linear(x, linears[0].weight, linears[0].bias)
+    elif call.reference:
+        # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP) where no
+        # version counter sees it: the inference caches go, and gradients reach the parameters through the cat.
+        derived.discard(call.owner, "stacked")
+        derived.discard(call.owner, "onednn_stacked")
+        y = F.linear(x, *stack(len(linears), *parameters(linears)))
+    else:
+        y = F.linear(x, *derived.cached(call.owner, "stacked", parameters(linears),
+                                        lambda *params: stack(len(linears), *params)))
+    if residual is not None:
+        y = y + residual
+    return y if call.act_fn is None else call.act_fn(y)
+
+
+BACKENDS = dispatch.register("gemm", [
+    Backend("int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), opt_in=True),
+    Backend("onednn", run=_onednn_run, unavailable=_onednn_unavailable, why_not=_onednn_why_not, devices=("cpu",)),
+    Backend("torch", run=_torch_run),
+])
+
+
+def _decide(x: torch.Tensor, linears: tuple[nn.Module, ...], act_fn: nn.Module | None, residual: bool):
+    plain = all(is_plain(m, nn.Linear, x.device) for m in linears)
+    params = parameters(linears) if plain else None
+    plain = params is not None
+    activation = None if act_fn is None else activation_name(act_fn)
+    call = Call(linears, act_fn, activation if activation in cpu_gemm.EPILOGUES else None, residual, plain,
+                tuple(dispatch.needs_reference(x, *(params or ()))), why_not_packed(x, params) if plain else None,
+                x.device, x.dtype)
+    return dispatch.decide("gemm", BACKENDS, call)
+
+
+def linear(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``act_fn(dense(x))``, or ``dense(x) + residual`` (not both): x [tokens, in] -> [tokens, out]."""
+    decision = decided(dense, ("gemm", act_fn is not None, residual is not None), _decide, x, (dense,), act_fn,
+                       residual is not None)
+    return decision(x, residual)
+
+
+def stacked(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> torch.Tensor:
+    """[tokens, in] -> [tokens, sum of outputs]: ``linears`` (reading the same input) side by side, one GEMM where
+    they are plain and all have a bias or none does, each called otherwise."""
+    return decided(linears[0], "stacked gemm", _decide, x, linears, None, False)(x)
+
+
+
+def packed(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> bool:
+    """Whether the GEMM of ``linears`` (side by side) runs prepacked here (oneDNN or int8): then one GEMM on their
+    stacked weight is the fast way, where F.linear may prefer them one by one (``ops/glu.py``)."""
+    if len(linears) == 1:
+        decision = decided(linears[0], ("gemm", False, False), _decide, x, linears, None, False)
+    else:
+        decision = decided(linears[0], "stacked gemm", _decide, x, linears, None, False)
+    return decision.backend.name in ("int8", "onednn")
+
+
+def onednn_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs plain Linears' GEMMs of this device and dtype here (settings, build, measurement)."""
+    return device.type == "cpu" and dispatch.settings().backend != "torch" and not _onednn_unavailable(device, dtype)

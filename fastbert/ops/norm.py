@@ -1,0 +1,160 @@
+"""The LayerNorms of a layer, with what comes before them.
+
+    dense_residual_layer_norm   LayerNorm(dropout(dense(x)) + residual)     post-norm: BERT's SelfOutput and Output
+    layer_norm                  norm(x)                                     pre-norm (ModernBERT), nn.Identity passed
+    dense_residual              residual + dropout(dense(x))                pre-norm's residual add
+    dense_act_layer_norm        LayerNorm(act(dense(x)))                    the MLM head's transform
+
+Reference: ``kernels/layer_norm.py``'s ``layer_norm_ref`` (statistics in fp32). Backends, for the ops ``layer_norm``
+and ``act_layer_norm``: triton (the GEMM without its bias, then one kernel adding bias, residual or activation and
+normalizing; on a GPU cuBLAS's bias epilogue keeps the GEMM one kernel), torch (the GEMM op, with the residual or the
+activation in its epilogue where its backend has one, then F.layer_norm, or the modules where they are not plain).
+A pre-norm block's sum and its normalization are two outputs the block needs (the next sub-block reads both): the
+GEMM writes the sum and the LayerNorm reads it once, so a kernel storing both from one pass would move the same
+bytes.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import dispatch
+from ..dispatch import Backend
+from ..kernels import layer_norm as layer_norm_kernels
+from ..kernels.activation import ACTIVATIONS, BIAS_ACT_KINDS
+from ..plain import has_hooks, is_plain
+from ..plan import decided
+from . import activation_name, dropout_p, gemm, ln_bias, why_not_plain
+from . import layer_norm as module_layer_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    dense: nn.Module | None
+    dropout: nn.Module | None
+    norm: nn.Module
+    act_fn: nn.Module | None
+    activation: str | None  # act_fn's name where the kernel computes it
+    reasons: tuple[str, ...]  # why only torch's ops and the modules may run it
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _trivial(dropout: nn.Module | None) -> bool:
+    """Whether ``dropout`` changes nothing now (none, p = 0 in eval mode, no hooks)."""
+    return dropout is None or (dropout_p(dropout) == 0 and not has_hooks(dropout))
+
+
+def _call(x: torch.Tensor, dense, dropout, norm, act_fn=None, residual=None) -> Call:
+    weights = [getattr(m, name, None) for m in (dense, norm) if m is not None for name in ("weight", "bias")]
+    reasons = dispatch.needs_reference(x, residual, *weights, dropout_p=dropout_p(dropout))
+    activation = None
+    if act_fn is not None:
+        activation = activation_name(act_fn)
+        if ACTIVATIONS.get(activation) not in BIAS_ACT_KINDS:
+            reasons = reasons or [f"activation {type(act_fn).__name__} has no fused kernel (HF's activation module "
+                                  "runs)"]
+    reasons = reasons or why_not_plain(x.device, LayerNorm=(norm, nn.LayerNorm))
+    return Call(dense, dropout, norm, act_fn, activation, tuple(reasons), x.device, x.dtype)
+
+
+def _why_not(call: Call) -> list[str]:
+    return list(call.reasons)
+
+
+# --- post-norm: LayerNorm(dropout(dense(x)) + residual) ---------------------------------------------------------------
+
+
+def _triton_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    # The GEMM with its 1-D bias (cuBLASLt's bias epilogue, one kernel); the kernel adds the residual and normalizes.
+    # (addmm(residual, x, W^T) would first copy the residual into the output: one more kernel.)
+    norm = call.norm
+    return layer_norm_kernels.layer_norm(gemm.linear(x, call.dense), norm.weight, ln_bias(norm), norm.eps,
+                                         residual=residual)
+
+
+def _torch_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    if _trivial(call.dropout):
+        return module_layer_norm(call.norm, gemm.linear(x, call.dense, residual=residual))
+    return call.norm(call.dropout(gemm.linear(x, call.dense)) + residual)
+
+
+RESIDUAL_BACKENDS = dispatch.register("layer_norm", [
+    Backend("triton", run=_triton_residual, unavailable=dispatch.triton_unavailable, why_not=_why_not),
+    Backend("torch", run=_torch_residual),
+])
+
+
+def dense_residual_layer_norm(x: torch.Tensor, residual: torch.Tensor, dense: nn.Module, dropout: nn.Module | None,
+                              norm: nn.Module) -> torch.Tensor:
+    """LayerNorm(dropout(dense(x)) + residual): x [tokens, in], residual [tokens, hidden] -> [tokens, hidden]
+    (``dropout`` None: none, as after DistilBERT's attention projection)."""
+    decision = decided(norm, "dense_residual_layer_norm", lambda: dispatch.decide(
+        "layer_norm", RESIDUAL_BACKENDS, _call(x, dense, dropout, norm, residual=residual)))
+    return decision(x, residual)
+
+
+# --- pre-norm: norm(x), and residual + dropout(dense(x)) --------------------------------------------------------------
+
+
+def _triton_norm(call: Call, x: torch.Tensor) -> torch.Tensor:
+    return layer_norm_kernels.layer_norm(x, call.norm.weight, ln_bias(call.norm), call.norm.eps)
+
+
+def _torch_norm(call: Call, x: torch.Tensor) -> torch.Tensor:
+    return module_layer_norm(call.norm, x)
+
+
+# (the op "layer_norm", as above: the same reasons, for a call of one tensor)
+NORM_BACKENDS = (
+    Backend("triton", run=_triton_norm, unavailable=dispatch.triton_unavailable, why_not=_why_not),
+    Backend("torch", run=_torch_norm),
+)
+
+
+def layer_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """norm(x) for x [tokens, hidden]: a plain LayerNorm (with or without bias) fused, nn.Identity (ModernBERT's layer
+    0) passed through, anything else called."""
+    if type(norm) is nn.Identity and not has_hooks(norm):
+        return x
+    return decided(norm, "layer_norm", lambda: dispatch.decide("layer_norm", NORM_BACKENDS, _call(x, None, None,
+                                                                                                  norm)))(x)
+
+
+def dense_residual(x: torch.Tensor, residual: torch.Tensor, dense: nn.Module, dropout: nn.Module | None,
+                   ) -> torch.Tensor:
+    """residual + dropout(dense(x)): x [tokens, in], residual [tokens, out]; the add in the GEMM's epilogue where its
+    backend has one (oneDNN, int8). ``dropout``: nn.Dropout, nn.Identity or None."""
+    if _trivial(dropout):
+        return gemm.linear(x, dense, residual=residual)
+    return dropout(gemm.linear(x, dense)) + residual
+
+
+# --- the MLM head's transform: LayerNorm(act(dense(x))) ---------------------------------------------------------------
+
+
+def _triton_act(call: Call, x: torch.Tensor) -> torch.Tensor:
+    norm, dense = call.norm, call.dense
+    if is_plain(dense, nn.Linear, x.device):  # (the bias, like the activation, in the kernel)
+        return layer_norm_kernels.layer_norm(F.linear(x, dense.weight), norm.weight, ln_bias(norm), norm.eps,
+                                             bias=dense.bias, activation=call.activation)
+    return layer_norm_kernels.layer_norm(dense(x), norm.weight, ln_bias(norm), norm.eps, activation=call.activation)
+
+
+def _torch_act(call: Call, x: torch.Tensor) -> torch.Tensor:
+    return module_layer_norm(call.norm, gemm.linear(x, call.dense, call.act_fn))
+
+
+ACT_BACKENDS = dispatch.register("act_layer_norm", [
+    Backend("triton", run=_triton_act, unavailable=dispatch.triton_unavailable, why_not=_why_not),
+    Backend("torch", run=_torch_act),
+])
+
+
+def dense_act_layer_norm(x: torch.Tensor, dense: nn.Module, act_fn: nn.Module, norm: nn.Module) -> torch.Tensor:
+    """LayerNorm(act(dense(x))): the MLM head's transform (BertPredictionHeadTransform); ``act_fn`` HF's module."""
+    decision = decided(norm, "dense_act_layer_norm", lambda: dispatch.decide(
+        "act_layer_norm", ACT_BACKENDS, _call(x, dense, None, norm, act_fn)))
+    return decision(x)
