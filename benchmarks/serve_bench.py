@@ -24,6 +24,7 @@ each started server for that long and records its resident memory every 30 s. Re
 import argparse
 import asyncio
 import contextlib
+import csv
 import datetime
 import json
 import os
@@ -308,10 +309,11 @@ def write(rows: list[dict], args) -> None:
     out = _out(args)
     keys = ["server", "setting", "requests_per_s", "tokens_per_s", "p50_ms", "p90_ms", "p99_ms", "errors",
             "requests", "min_cosine"]
-    with open(os.path.join(out, "results.csv"), "w") as f:
-        f.write(",".join(keys) + "\n")
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:  # (settings hold commas: quoted)
+        writer = csv.writer(f)
+        writer.writerow(keys)
         for row in rows:
-            f.write(",".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys) + "\n")
+            writer.writerow([f"{row[k]:.4g}" if isinstance(row[k], float) else row[k] for k in keys])
     lines = [f"# Embedding servers under load — {cpu_name()}", "",
              f"CPU: {cpu_name()} ({os.cpu_count()} CPUs), {day}. Real all-MiniLM-L6-v2, fp32 unless named; the "
              f"openai client on the same machine; {args.seconds:g} s per setting after a warm-up"
