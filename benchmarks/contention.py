@@ -164,8 +164,9 @@ def main():
     cpus = len(os.sched_getaffinity(0))
     quota_cpus = max(1.0, cpus // 2) if args.quota is None else args.quota
     day = datetime.date.today().isoformat()
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"cpu-{cpus}core-{day}-contention")
+    # Absolute: each run's process works in its own temporary directory.
+    out = os.path.abspath(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                   f"cpu-{cpus}core-{day}-contention"))
     os.makedirs(out, exist_ok=True)
 
     reference = os.path.join(out, "reference.npy")
