@@ -19,7 +19,7 @@ import shutil
 import subprocess
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.errors import CompileError, LinkError
 
 CUDA_SOURCES = ["csrc/embedding_layer_norm_cuda.cu"]
@@ -152,10 +152,10 @@ class BuildExt(build_ext):
 
 
 setup(
-    packages=["fastbert", "fastbert.models", "fastbert.kernels", "fastbert.serve"],
-    # kernels/ is installed as fastbert.kernels, never as a top-level `kernels` (a different package on PyPI).
-    package_dir={"fastbert": "fastbert", "fastbert.models": "fastbert/models", "fastbert.kernels": "kernels",
-                 "fastbert.serve": "fastbert/serve"},
+    # Every package under fastbert/ (found, so a new one cannot be left out of the wheel), and kernels/ installed as
+    # fastbert.kernels, never as a top-level `kernels` (a different package on PyPI).
+    packages=["fastbert", *(f"fastbert.{name}" for name in find_packages("fastbert")), "fastbert.kernels"],
+    package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
     package_data={"fastbert": ["data/*.txt"]},  # the int8 guard's sentences
     ext_modules=[
         Pybind11Extension(
