@@ -128,3 +128,29 @@ def test_the_app_mounts_inside_another(engine):
     app.state.batcher.close()
     assert embedded.status_code == 200 and len(embedded.json()["data"][0]["embedding"]) == engine.dim
     assert health.json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("preload", [False, True])
+def test_the_allocator_advice_names_a_remedy_under_glibc_only(preload):
+    """Under glibc's malloc the server says how to keep its memory flat; under tcmalloc (where this machine has it)
+    it says nothing."""
+    import ctypes.util
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ}
+    env.pop("LD_PRELOAD", None)
+    if preload:
+        library = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+        if library is None:
+            pytest.skip("no tcmalloc on this machine")
+        env["LD_PRELOAD"] = library
+    script = "from fastbert.serve import allocator_advice; print(allocator_advice())"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    advice = done.stdout.strip().splitlines()[-1]
+    if preload:
+        assert advice == "None"
+    else:
+        assert advice.startswith("memory: glibc's malloc") and ("LD_PRELOAD=" in advice or "install tcmalloc" in advice)

@@ -19,7 +19,26 @@ tensor, no request waits behind more than one batch), and the API (``api.py``) a
 from .api import create_app
 from .engine import Embeddings, Scores, load
 
-__all__ = ["create_app", "load", "Embeddings", "Scores", "main"]
+__all__ = ["create_app", "load", "Embeddings", "Scores", "main", "allocator_advice"]
+
+
+def allocator_advice() -> str | None:
+    """What to say when this process allocates with glibc's malloc (None under tcmalloc or jemalloc, or where it
+    cannot be told). A server's batches have a new shape nearly every time, and glibc's heap keeps growing with
+    them, as it does under transformers; tcmalloc keeps the memory flat (docs/serving.md, "Memory")."""
+    import ctypes.util
+
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    if "libc.so" not in maps or "tcmalloc" in maps or "jemalloc" in maps:
+        return None
+    found = next(filter(None, map(ctypes.util.find_library, ("tcmalloc_minimal", "tcmalloc", "jemalloc"))), None)
+    remedy = f"start it with LD_PRELOAD={found}" if found else "install tcmalloc (libtcmalloc-minimal4, gperftools)"
+    return ("memory: glibc's malloc, whose heap grows with new batch shapes (resident memory keeps rising); "
+            f"{remedy} to keep it flat (docs/serving.md, Memory)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,8 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     engine = load(args.model, device=args.device, dtype=args.dtype, int8=args.int8, task=args.task,
                   name=args.served_model_name)
     app = create_app(engine, max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue, api_key=args.api_key)
-    logging.getLogger("fastbert").info("fastbert serve: %s (%s) on http://%s:%d", engine.name, engine.task,
-                                       args.host, args.port)
+    logger = logging.getLogger("fastbert")
+    logger.info("fastbert serve: %s (%s) on http://%s:%d", engine.name, engine.task, args.host, args.port)
+    if advice := allocator_advice():
+        logger.warning(advice)
     # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: a no-op one, so that a
     # drained server exits 0 (the default handler would end it with -SIGTERM).
     signal.signal(signal.SIGTERM, lambda *_: None)
