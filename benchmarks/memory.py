@@ -16,9 +16,10 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
+
+from fastbench.env import cpu_identity
 
 PROVIDERS = ("fastbert", "fastbert-int8", "transformers")
 
@@ -86,12 +87,6 @@ def measure(provider: str, passes: int, preload: str | None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                    platform.processor())
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", type=int, default=4)
@@ -117,8 +112,8 @@ def main():
     import transformers
 
     passes = " | ".join(f"after pass {i + 1}" for i in range(args.passes))
-    lines = [f"# Resident memory over varied batch shapes — {cpu_name()}", "",
-             f"CPU: {cpu_name()} ({os.cpu_count()} CPUs), torch {torch.__version__}, transformers "
+    lines = [f"# Resident memory over varied batch shapes — {cpu_identity()}", "",
+             f"CPU: {cpu_identity()}, torch {torch.__version__}, transformers "
              f"{transformers.__version__}, {day}.",
              f"Command: `python benchmarks/memory.py --passes {args.passes}"
              + (f" --preload {args.preload}" if args.preload else "") + "`.",
