@@ -35,7 +35,8 @@ def allocator_advice() -> str | None:
         return None
     if "libc.so" not in maps or "tcmalloc" in maps or "jemalloc" in maps:
         return None
-    found = next(filter(None, map(ctypes.util.find_library, ("tcmalloc_minimal", "tcmalloc", "jemalloc"))), None)
+    # (tcmalloc only: the allocator measured, benchmarks/memory.py)
+    found = next(filter(None, map(ctypes.util.find_library, ("tcmalloc_minimal", "tcmalloc"))), None)
     remedy = f"start it with LD_PRELOAD={found}" if found else "install tcmalloc (libtcmalloc-minimal4, gperftools)"
     return ("memory: glibc's malloc, whose heap grows with new batch shapes (resident memory keeps rising); "
             f"{remedy} to keep it flat (docs/serving.md, Memory)")
