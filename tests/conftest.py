@@ -11,6 +11,7 @@
 
 import copy
 import dataclasses
+import faulthandler
 import os
 import tempfile
 
@@ -19,6 +20,10 @@ import torch
 import transformers
 
 import fastbert
+
+# Enabled before pytest's own handler, so pytest re-enables it when the session ends: a crash while the interpreter
+# exits (Ray's, Spark's or a library's threads after the summary) prints every thread's Python frames.
+faulthandler.enable(all_threads=True)
 
 # This machine's GEMM measurements (fastbert/cpu.py) go to a folder of the test session's own: tests and the
 # processes they start share it, nothing outside is read or written, and it is removed when the session ends.
