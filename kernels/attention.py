@@ -66,9 +66,11 @@ def attention_ref(
 #
 # Program (b * H + h, m) computes query rows [m * BLOCK_M, (m + 1) * BLOCK_M) of head h of sequence b against all
 # keys of that sequence (batch x heads on grid axis 0, which has no 65535 limit), walking the keys in blocks of
-# BLOCK_N with the online softmax (fp32 statistics, exp2 with log2(e) folded into the scale):
-#   s_j   = (q . k_j) * log2(e) / sqrt(D)               for real keys (others: -inf)
-#   m'    = max(m, max_j s_j);   p_j = 2^(s_j - m');   alpha = 2^(m - m')
+# BLOCK_N with the online softmax (fp32 statistics, exp2 with log2(e) folded into the scale c = log2(e) / sqrt(D)):
+#   s_j   = q . k_j                                      for real keys (others: -inf); unscaled
+#   m'    = max(m, max_j s_j);   p_j = 2^((s_j - m') c);   alpha = 2^((m - m') c)
+# The scale multiplies the difference, not the score: a product s_j = (q . k_j) c feeding s_j - m' would be contracted
+# into one FMA where no tl.where stands between them (EVEN_N) and not elsewhere, and the two loops would differ.
 #   l'    = l * alpha + sum_j p_j;   acc' = acc * alpha + sum_j p_j v_j
 #   out   = acc / l
 # Until a row has seen a real key, m = -inf; the exponents then use 0 instead of m' (so -inf - -inf never makes a
@@ -172,7 +174,7 @@ def _attention_fwd_kernel(
         else:
             q_col = offs_m
     rel_row = REL_BIAS + head.to(tl.int64) * (2 * rel_radius + 1)  # this head's bias by distance (if HAS_REL_BIAS)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scaled scores
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the (unscaled) scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
     for start_n in range(kv_start, kv_len, BLOCK_N):
@@ -186,7 +188,7 @@ def _attention_fwd_kernel(
             mask=in_bound[None, :] & d_ok[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k_t, input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, k_t, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
         if HAS_MASK:  # other=0: a key past kv_len is padding too
             real = tl.load(mask_row + keys * stride_mask_s, mask=in_bound, other=0) != 0  # [BLOCK_N]
             s = tl.where(real[None, :], s, float("-inf"))
@@ -197,15 +199,15 @@ def _attention_fwd_kernel(
             if HAS_COLUMNS:
                 k_col = tl.load(columns + keys, mask=in_bound, other=0)
             distance = k_col[None, :] - q_col[:, None]  # [BLOCK_M, BLOCK_N]
-            if HAS_REL_BIAS:  # (log2 domain, as the scores: bias * log2(e))
+            if HAS_REL_BIAS:  # (in the unscaled scores' units: bias * sqrt(D), as c multiplies both)
                 nearest = tl.minimum(tl.maximum(distance, -rel_radius), rel_radius) + rel_radius
-                s += tl.load(rel_row + nearest) * 1.4426950408889634
+                s += tl.load(rel_row + nearest) * (1.4426950408889634 / qk_scale)
             if HAS_WINDOW:
                 s = tl.where(tl.abs(distance) <= window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2((s - m_use[:, None]) * qk_scale)
+        alpha = tl.exp2((m_i - m_use) * qk_scale)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             V + qkv_offset + keys[:, None] * stride_qkv_s + offs_d[None, :],

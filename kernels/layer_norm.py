@@ -45,8 +45,9 @@ def layer_norm_ref(
 # One program per row of H elements, all math in fp32:
 #   z    = act(x + bias) + residual          (each step only if its flag is set)
 #   mean = sum(z) / H
-#   var  = sum((z - mean)^2) / H              (biased, as torch.nn.LayerNorm; two-pass over registers)
-#   y    = (z - mean) / sqrt(var + eps) * weight + ln_bias
+#   d    = z - mean;   d -= sum(d) / H        (corrected two-pass over registers, see _normalize_row)
+#   var  = sum(d^2) / H                       (biased, as torch.nn.LayerNorm)
+#   y    = d / sqrt(var + eps) * weight + ln_bias
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -60,10 +61,19 @@ def _normalize_row(
     n_cols,  # H
     eps,  # added to the variance
 ):
-    """The LayerNorm of one row, in fp32 (the math above); also the end of the embedding kernel."""
-    mean = tl.sum(z, axis=0) / n_cols
+    """The LayerNorm of one row, in fp32 (the math above); also the end of the embedding kernel.
+
+    The centred row is corrected by its own mean (corrected two-pass). That removes the rounding of the first sum
+    (rows with a large mean) and the common part of what contraction leaves in ``diff``: the product that ends an
+    activation becomes ``fma(a, b, -mean)``, so each ``diff`` carries that product's rounding error, which the mean
+    was computed without. Those errors are ~1 ulp of ``z`` and matter where the variance is tiny (a constant row, a
+    single column), where rstd = 1/sqrt(eps) multiplies them by up to 1e6. The divisions round to nearest (Triton's
+    ``/`` is approximate on GPUs): a constant row's mean is then its value exactly."""
+    n = n_cols * 1.0
+    mean = tl.div_rn(tl.sum(z, axis=0), n)
     diff = tl.where(mask, z - mean, 0.0)  # padding columns must not count in the variance
-    var = tl.sum(diff * diff, axis=0) / n_cols
+    diff = tl.where(mask, diff - tl.div_rn(tl.sum(diff, axis=0), n), 0.0)
+    var = tl.div_rn(tl.sum(diff * diff, axis=0), n)
     rstd = 1.0 / tl.sqrt(var + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)

@@ -71,11 +71,14 @@ def test_layer_norm_strided_rows(device):
 @pytest.mark.parametrize("eps", [1e-12, 1e-5, 0.1])
 def test_layer_norm_eps_and_hard_rows(device, eps):
     """eps is honoured; a constant row (variance 0) gives ln_bias, finite; a row with a large mean stays accurate
-    (two-pass variance)."""
+    (corrected two-pass). Against float64: on the row of mean 1000, torch's own float32 LayerNorm is ~2e-5 off (CPU)
+    where the kernel is ~7e-7 off, so the float32 reference would measure torch's error, not the kernel's."""
     x, weight, ln_bias, _ = make_inputs(3, 312, torch.float32, device)
     x[0] = 7.0
     x[1] += 1000.0
-    out = check_against_ref(x, weight, ln_bias, eps)
+    out = layer_norm(x, weight, ln_bias, eps)
+    ref64 = layer_norm_ref(x.double(), weight.double(), ln_bias.double(), eps)
+    torch.testing.assert_close(out.double(), ref64, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[0], ln_bias, atol=1e-5, rtol=0)
 
