@@ -150,6 +150,9 @@ class ModelSet:
 
         self.name, self.dtype, self.device = name, dtype, device
         self.spec = MODELS[name]
+        missing = [n for n in FAMILIES[self.spec.family] if not hasattr(transformers, n)]
+        if missing:  # (GTE, for one, arrived in a later transformers than some machines have)
+            raise Unavailable(f"transformers {transformers.__version__} has no {', '.join(missing)}")
         config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[self.spec.family])
         self.model_cls = model_cls
         if self.spec.config is None:

@@ -290,7 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for key in dict.fromkeys((c.model, c.dtype) for c in cases):
             group = [c for c in cases if (c.model, c.dtype) == key]
-            ms = models.ModelSet(key[0], key[1], device, opts.seed)
+            try:
+                ms = models.ModelSet(key[0], key[1], device, opts.seed)
+            except models.Unavailable as why:
+                if not opts.keep_going:
+                    raise
+                note(f"{key[0]} {key[1]} not run: {why}")
+                if bar is not None:
+                    bar.update(len(group))
+                continue
             forwards, skipped = build_forwards(ms, opts.providers, opts, log, keep_going=opts.keep_going)
             for name, why in skipped.items():
                 note(f"{name} not run for {key[0]} {key[1]}: {why}")
