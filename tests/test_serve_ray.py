@@ -1,34 +1,67 @@
 """Replicas of ``fastbert serve`` on an existing engine: Ray Serve with fastbert's app as each replica's ingress (the
 ``ray`` extra), on a local Ray, as docs/serving.md shows it. Two replicas, each loading the real all-MiniLM-L6-v2
-once; requests through Ray Serve's HTTP proxy on loopback get sentence-transformers' vectors from both."""
+once; requests through Ray Serve's HTTP proxy on loopback get sentence-transformers' vectors from both.
 
-import os
+Ray Serve's driver runs in a process of its own, as a deployment's would: Serve leaves threads in the driver that
+outlive ``ray.shutdown()``, and the test session's process also runs Ray Data (tests/test_scale_out_ray.py), so a
+second Ray session there would share its exit with them."""
+
+import json
 import socket
+import subprocess
 import sys
+import textwrap
+import threading
 
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason='Ray Serve comes with the ray extra: pip install ".[ray,serve]"')
-serve = pytest.importorskip("ray.serve")
+pytest.importorskip("ray", reason='Ray Serve comes with the ray extra: pip install ".[ray,serve]"')
+pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 sentence_transformers = pytest.importorskip("sentence_transformers")
 pytest.importorskip("starlette")
 
 REPLICAS = 2
+STARTUP_S = 300  # Ray, Serve and two replicas loading the model: ~15 s on 2 cores
+
+# The driver: Ray, Serve on `port`, the deployment; one line of JSON once it serves (the deployment's status), then it
+# serves until its standard input closes, and shuts Serve and Ray down.
+DRIVER = """
+    import json, os, sys
+    import ray
+    from ray import serve
+
+    model, port, replicas = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+    def build_app():
+        from fastbert.serve import create_app, load
+
+        return create_app(load(model, name="model"))
+
+    ray.init(num_cpus=replicas, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"FASTBERT_CACHE_DIR": os.environ["FASTBERT_CACHE_DIR"]}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+    @serve.deployment(num_replicas=replicas, ray_actor_options={"num_cpus": 1})
+    @serve.ingress(build_app)
+    class Embeddings:
+        "fastbert's app as the ingress of each replica (Ray Serve routes and scales; fastbert batches)."
+
+    serve.run(Embeddings.bind(), name="embeddings", route_prefix="/")
+    deployment = serve.status().applications["embeddings"].deployments["Embeddings"]
+    print(json.dumps({"status": str(deployment.status).split(".")[-1],
+                      "replicas": {str(k).split(".")[-1]: v for k, v in deployment.replica_states.items()}}), flush=True)
+    sys.stdin.read()
+    serve.shutdown()
+    ray.shutdown()
+"""
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def build_app(model: str):
-    """What each replica runs at start: fastbert's ASGI app around its own copy of the model."""
-    from fastbert.serve import create_app, load
-
-    return create_app(load(model, name="model"))
 
 
 @pytest.fixture(scope="module")
@@ -38,37 +71,37 @@ def minilm() -> str:
 
 @pytest.fixture(scope="module")
 def served(minilm, tmp_path_factory):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # replicas do not import the tests directory
-    cwd = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("ray-serve-driver"))  # (workers put the driver's directory on sys.path)
+    """(the proxy's URL, the deployment's status once it serves). Started from a directory outside the checkout:
+    Ray puts the driver's working directory on its workers' sys.path."""
+    port = _free_port()
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(DRIVER), minilm, str(port), str(REPLICAS)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=tmp_path_factory.mktemp("ray-serve-driver"))
+    watchdog = threading.Timer(STARTUP_S, driver.kill)  # (a driver that never serves ends the read below)
+    watchdog.start()
     try:
-        ray.init(num_cpus=REPLICAS, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"FASTBERT_CACHE_DIR": os.environ["FASTBERT_CACHE_DIR"]}})
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-
-        @serve.deployment(num_replicas=REPLICAS, ray_actor_options={"num_cpus": 1})
-        @serve.ingress(lambda: build_app(minilm))
-        class Embeddings:
-            """fastbert's app as the ingress of each replica (Ray Serve routes and scales; fastbert batches)."""
-
-        serve.run(Embeddings.bind(), name="embeddings", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        line = driver.stdout.readline()
+        watchdog.cancel()
+        assert line, f"the Ray Serve driver exited with {driver.wait(timeout=60)} before serving (or took over " \
+                     f"{STARTUP_S} s)"
+        yield f"http://127.0.0.1:{port}", json.loads(line)
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        os.chdir(cwd)
+        driver.stdin.close()
+        try:
+            driver.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            driver.wait()
 
 
 def test_replicas_on_ray_serve_give_sentence_transformers_vectors(served, minilm):
+    url, status = served
+    assert status == {"status": "HEALTHY", "replicas": {"RUNNING": REPLICAS}}, status
     texts = [f"sentence number {i} about a cat on a mat" for i in range(12)]
     expected = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode(texts)
     with httpx.Client(timeout=120) as client:
-        responses = [client.post(f"{served}/v1/embeddings", json={"input": [text], "model": "model"})
+        responses = [client.post(f"{url}/v1/embeddings", json={"input": [text], "model": "model"})
                      for text in texts]
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     got = np.array([r.json()["data"][0]["embedding"] for r in responses], dtype=np.float32)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
-    assert serve.status().applications["embeddings"].deployments["Embeddings"].status == "HEALTHY"
-    replicas = serve.status().applications["embeddings"].deployments["Embeddings"].replica_states
-    assert replicas.get("RUNNING") == REPLICAS
