@@ -193,7 +193,7 @@ def test_gradients_take_the_differentiable_path(kernel_calls):
     assert kernel_calls == [] and table.grad.abs().sum() > 0
 
 
-def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path):
+def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurements_kept):
     """The kernel replaces SDPA where it measured faster at every size (the figures kept per machine, in info());
     where it measured slower, SDPA runs without a warning: a measured choice between exact paths, not a fallback."""
     monkeypatch.setattr(cpu, "_figures", {})

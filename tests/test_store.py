@@ -56,7 +56,7 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("what", list(MALFORMED))
-def test_a_malformed_entry_is_measured_again_rewritten_and_warned(empty_store, what):
+def test_a_malformed_entry_is_measured_again_rewritten_and_warned(empty_store, what, measurements_kept):
     if cpu_gemm.unavailable_reasons(torch.float32):
         pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
     key = cpu._key(GEMM[0])
@@ -72,7 +72,7 @@ def test_a_malformed_entry_is_measured_again_rewritten_and_warned(empty_store, w
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
-def test_a_broken_file_is_rewritten(empty_store, content):
+def test_a_broken_file_is_rewritten(empty_store, content, measurements_kept):
     if cpu_gemm.unavailable_reasons(torch.float32):
         pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
     empty_store.write_text(content)
