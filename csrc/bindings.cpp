@@ -125,6 +125,11 @@ std::pair<double, int64_t> quantize_per_call_cpu(std::uintptr_t x, std::uintptr_
   return {scale, zero_point};
 }
 
+void quantize_static_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols, std::uintptr_t smooth,
+                         double scale, int64_t zero_point, int num_threads) {
+  fastbert::quantize_static_cpu(quantize_args(x, out, rows, cols, smooth, 0, 0), scale, zero_point, num_threads);
+}
+
 void quantize_per_token_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols, std::uintptr_t smooth,
                             std::uintptr_t scales, int num_threads) {
   if (rows > 0 && !scales) throw std::invalid_argument("null scales pointer");
@@ -218,6 +223,12 @@ PYBIND11_MODULE(_C, m) {
         "(scale, zero_point) (quantize_cpu.h).",
         py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("smooth"), py::arg("real_index"),
         py::arg("real_rows"), py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("quantize_static_cpu", &quantize_static_cpu,
+        "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0) with the given scale and zero "
+        "point (quantize_cpu.h).",
+        py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("smooth"), py::arg("scale"),
+        py::arg("zero_point"), py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
 
   m.def("quantize_per_token_cpu", &quantize_per_token_cpu,
         "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), each row with its own "

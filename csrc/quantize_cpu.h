@@ -3,6 +3,7 @@
 //   per call:  s, z from the min and max of x / smooth over the real rows (fastbert/int8_linear.py's qparams), then
 //              q = clamp(round(fma(x / smooth, 1 / s, z - 128)), -128, 127) + 128         for every row
 //   per token: s_r = max(max_j |x_rj / smooth_j|, FLT_MIN) / 127,  q = round((x_rj / smooth_j) / s_r) + 128
+//   static:    as per call with s, z given (calibrated by fastbert.quantize's guard): no range is taken
 //
 // round is to nearest even, and every operation is the one torch's ops run in fastbert/int8_linear.py's reference path
 // (the fused multiply-add of torch.add with alpha, IEEE division), so the bytes are the reference's. The caller
@@ -25,6 +26,9 @@ struct QuantizeCpuArgs {
 
 // Per call: quantizes every row with the range of the real rows; returns the scale and zero point it used.
 void quantize_per_call_cpu(const QuantizeCpuArgs& args, double* scale, int64_t* zero_point, int num_threads);
+
+// Static: quantizes every row with the given scale and zero point (values past its range saturate at 0 and 255).
+void quantize_static_cpu(const QuantizeCpuArgs& args, double scale, int64_t zero_point, int num_threads);
 
 // Per token: quantizes each row with a scale of its own, written to scales [rows].
 void quantize_per_token_cpu(const QuantizeCpuArgs& args, float* scales, int num_threads);

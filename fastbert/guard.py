@@ -17,6 +17,11 @@ c. SmoothQuant and per-token scales for every GEMM;
 
 then keeps the layers whose int8 costs most (each measured alone) in float32, one at a time; and if every layer but
 one had to, leaves the model float32, with a warning.
+
+Where a recipe passes, the inputs it scales per call get static scales instead, calibrated on the same sentences
+(the range of x / smooth over their real tokens, recorded in the first int8 run): no range is taken at run time. In
+every layer if the guard still passes; else in the layers where static scales cost least (each measured alone), as
+many as keep it passing; the others keep their per-call scales.
 """
 
 import collections
@@ -80,15 +85,17 @@ RECIPES = (
 
 
 def choose(layers: list[_Layer], bits: int | None, recipe: _Recipe = RECIPES[0], smooth: dict | None = None,
-            float32: frozenset = frozenset()) -> None:
+            float32: frozenset = frozenset(), static: dict | None = None) -> None:
     """Every Linear of ``layers`` in int8 with ``bits`` as ``recipe`` says (None: all float32), ``smooth[linear]`` its
-    divisor, the layers named in ``float32`` left out."""
+    divisor, the layers named in ``float32`` left out; ``static`` {linear: (scale, zero point)}: those inputs'
+    fixed scales (where the recipe does not scale them per token)."""
     for layer in layers:
         for linear in layer.linears:
             choice = None
             if bits is not None and layer.name not in float32:
                 per_token = recipe.per_token == "all" or (recipe.per_token == "mlp_out" and linear in layer.mlp_out)
-                choice = int8.Choice(bits, (smooth or {}).get(linear) if recipe.smooth else None, per_token)
+                fixed = None if per_token else (static or {}).get(linear)
+                choice = int8.Choice(bits, (smooth or {}).get(linear) if recipe.smooth else None, per_token, fixed)
             int8.choose(linear, choice)
 
 
@@ -118,14 +125,18 @@ def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress) -> d
 
     choose(layers, None)
     reference = outputs()
-    smooth = None
+    smooth = ranges = None
     for recipe in RECIPES:
         choose(layers, bits, recipe, smooth)
-        with int8.recording() as absmax:  # (the GEMM inputs' ranges, for SmoothQuant)
+        with int8.recording() as seen:  # (the GEMM inputs' ranges: SmoothQuant's divisors, static scales)
             figures = _compare(reference, outputs())
-        smooth = smooth or _smoothing(layers, absmax)
+        if ranges is None:
+            ranges, smooth = seen, _smoothing(layers, seen)
         if _passes(figures):
-            return {"outcome": "int8", "recipe": recipe.name, "float32_layers": [], **figures}
+            static, figures = _static_where_it_passes(layers, bits, recipe, smooth, ranges, figures,
+                                                      lambda: _compare(reference, outputs()), progress)
+            return {"outcome": "int8", "recipe": recipe.name, "float32_layers": [], "static_layers": static,
+                    **figures}
     float32, costs = [], {}
     names = [layer.name for layer in layers]
     progress.more(2 * len(names) - 1)
@@ -145,9 +156,44 @@ def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress) -> d
     return {"outcome": "float32", "why": "the guard failed", "recipe": recipe.name, **figures}
 
 
-def _smoothing(layers: list[_Layer], absmax: dict) -> dict:
+def _static_where_it_passes(layers: list[_Layer], bits: int, recipe: _Recipe, smooth: dict, ranges: dict,
+                            figures: dict, judge, progress) -> tuple[list[str], dict]:
+    """Static scales for ``recipe`` (passing with per-call ones, ``figures``) where the guard still passes (module
+    docstring): (the names of the layers given them, the guard's figures with them)."""
+    static = {linear: int8.static_qparams(*ranges[linear], smooth.get(linear) if recipe.smooth else None)
+              for layer in layers for linear in layer.linears if linear in ranges}
+    names = [layer.name for layer in layers]
+    progress.more(1)
+    choose(layers, bits, recipe, smooth, static=static)
+    everywhere = judge()
+    if _passes(everywhere):
+        return names, everywhere
+
+    def only(chosen, judged: bool = True) -> dict | None:  # static scales in the layers named in ``chosen``
+        choose(layers, bits, recipe, smooth, static={m: q for layer in layers if layer.name in chosen
+                                                     for m in layer.linears if (q := static.get(m)) is not None})
+        return judge() if judged else None
+
+    progress.more(len(names) + max(1, len(names).bit_length()))
+    costs = {name: 1.0 - only([name])["mean_cosine"] for name in names}
+    order = sorted(names, key=costs.get)
+    # the longest prefix of the cheapest layers that passes (its first layer alone, none at all: both may fail)
+    best, best_figures, low, high = 0, figures, 1, len(order) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        tried = only(order[:middle])
+        if _passes(tried):
+            best, best_figures, low = middle, tried, middle + 1
+        else:
+            high = middle - 1
+    only(order[:best], judged=False)
+    return order[:best], best_figures
+
+
+def _smoothing(layers: list[_Layer], ranges: dict) -> dict:
     """{linear: s [in]}: SmoothQuant's s_j = max|x_j|^a / max|W_j|^(1 - a), shared by Linears reading one input (q,
     k and v; up and gate), which the stacked GEMMs quantize once."""
+    absmax = {linear: torch.maximum(-low, high) for linear, (low, high) in ranges.items()}
     smooth = {}
     for layer in layers:
         groups = collections.defaultdict(list)

@@ -36,12 +36,16 @@ INT8_MARGIN = 1.1
 
 class Choice:
     """How one Linear runs in int8: ``bits`` of weight, ``smooth`` [in] (the SmoothQuant divisor) or None, and
-    whether its input gets one scale per token (``per_token``) or one per call."""
+    whether its input gets one scale per token (``per_token``), one per call, or the fixed (scale, zero point)
+    ``static`` that the guard calibrated (of x / smooth)."""
 
-    __slots__ = ("bits", "smooth", "per_token")
+    __slots__ = ("bits", "smooth", "per_token", "static")
 
-    def __init__(self, bits: int, smooth: torch.Tensor | None = None, per_token: bool = False):
-        self.bits, self.smooth, self.per_token = bits, smooth, per_token
+    def __init__(self, bits: int, smooth: torch.Tensor | None = None, per_token: bool = False,
+                 static: tuple[float, int] | None = None):
+        if per_token and static is not None:
+            raise ValueError("an input is quantized per token or with a static scale, not both")
+        self.bits, self.smooth, self.per_token, self.static = bits, smooth, per_token, static
 
 
 def choose(linear: nn.Linear, choice: Choice | None) -> None:
@@ -84,6 +88,8 @@ def to_config(encoder: nn.Module, bits: int, meta: dict) -> None:
             continue
         linears[name] = module
         entry = {"per_token": choice.per_token}
+        if choice.static is not None:
+            entry["static"] = [float(choice.static[0]), int(choice.static[1])]
         if choice.smooth is not None:
             entry["smooth"] = base64.b64encode(choice.smooth.float().contiguous().numpy().tobytes()).decode("ascii")
         entries[name] = entry
@@ -117,7 +123,13 @@ def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Linear, Choice] 
                 smooth = torch.frombuffer(bytearray(base64.b64decode(entry["smooth"])), dtype=torch.float32)
                 if smooth.shape != (linear.in_features,):
                     return None, f"the divisor of {name!r} has {smooth.numel()} values, not {linear.in_features}"
-            choices[linear], named[name] = Choice(bits, smooth, bool(entry["per_token"])), linear
+            static = None
+            if "static" in entry:
+                scale, zero_point = float(entry["static"][0]), int(entry["static"][1])
+                if not (0.0 < scale < float("inf") and 0 <= zero_point <= 255):
+                    return None, f"the static scale of {name!r} is out of range ({entry['static']})"
+                static = (scale, zero_point)
+            choices[linear], named[name] = Choice(bits, smooth, bool(entry["per_token"]), static), linear
         if weights_digest(named) != saved["weights"]:
             return None, "the weights differ from those it was judged on (run fastbert.quantize(model) again)"
     except (KeyError, TypeError, ValueError, AttributeError) as error:
@@ -192,33 +204,44 @@ def real_rows(x: torch.Tensor) -> int | torch.Tensor:
     return x.shape[0] if current is None else current.rows()  # (outside a model forward every row counts)
 
 
-# --- what the GEMM inputs hold, for SmoothQuant ----------------------------------------------------------------------
+# --- what the GEMM inputs hold: SmoothQuant's divisors and the static scales are computed from it ---------------------
 
-_recording = threading.local()  # .absmax: {nn.Linear: [in] max |x| per channel} while ``recording``, else None
+_recording = threading.local()  # .ranges: {nn.Linear: ([in] min, [in] max) per channel} while ``recording``, else None
 
 
 class recording:
-    """``with recording() as absmax:`` the int8 GEMMs run in this thread keep, per Linear, the largest |x| of each
-    input channel over the real tokens (what ``fastbert.quantize`` smooths by)."""
+    """``with recording() as ranges:`` the int8 GEMMs run in this thread keep, per Linear, the smallest and largest
+    value of each input channel over the real tokens, ``ranges[linear] = (low [in], high [in])`` (what
+    ``fastbert.quantize`` smooths by and calibrates static scales with)."""
 
     def __enter__(self):
-        self.outer = getattr(_recording, "absmax", None)
-        _recording.absmax = {}
-        return _recording.absmax
+        self.outer = getattr(_recording, "ranges", None)
+        _recording.ranges = {}
+        return _recording.ranges
 
     def __exit__(self, *exc):
-        _recording.absmax = self.outer
+        _recording.ranges = self.outer
 
 
 def record(linears: tuple[nn.Module, ...], x: torch.Tensor) -> None:
-    """While ``recording``: the largest |x| of each input channel over the real tokens, kept per Linear."""
-    absmax = getattr(_recording, "absmax", None)
-    if absmax is None:
+    """While ``recording``: the smallest and largest value of each input channel over the real tokens, per Linear."""
+    ranges = getattr(_recording, "ranges", None)
+    if ranges is None:
         return
     rows = real_rows(x)
-    seen = (x[:rows] if isinstance(rows, int) else x.index_select(0, rows)).abs().amax(dim=0)  # [in]
+    low, high = torch.aminmax(x[:rows] if isinstance(rows, int) else x.index_select(0, rows), dim=0)  # [in] each
     for linear in linears:
-        absmax[linear] = seen if linear not in absmax else torch.maximum(absmax[linear], seen)
+        if linear in ranges:
+            low, high = torch.minimum(ranges[linear][0], low), torch.maximum(ranges[linear][1], high)
+        ranges[linear] = (low, high)
+
+
+def static_qparams(low: torch.Tensor, high: torch.Tensor, smooth: torch.Tensor | None) -> tuple[float, int]:
+    """The (scale, zero point) of u8 covering every recorded value of x / smooth (per-channel ``low`` and ``high``
+    [in]: dividing by a positive divisor keeps each channel's extremes)."""
+    if smooth is not None:
+        low, high = low / smooth, high / smooth
+    return int8_linear.qparams(float(low.min()), float(high.max()))
 
 
 def report() -> dict:

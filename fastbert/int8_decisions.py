@@ -56,7 +56,8 @@ def apply_saved(model: nn.Module, encoders: list[nn.Module]) -> bool:
                 int8.choose(module, choices.get(module))
     saved = getattr(encoders[0].config, int8.CONFIG_KEY)
     record(model, {"outcome": "int8", "guard": saved.get("guard", False), "recipe": saved.get("recipe"),
-                   "float32_layers": saved.get("float32_layers", []), **saved.get("figures", {}),
+                   "float32_layers": saved.get("float32_layers", []),
+                   "static_layers": saved.get("static_layers", []), **saved.get("figures", {}),
                    "from": "the decision saved with the checkpoint"})
     return True
 
@@ -83,6 +84,9 @@ def describe(report: dict) -> str:
     kept = report.get("float32_layers") or []
     text = (f"{report['model']} runs its encoder GEMMs in int8 ({report['weight_bits']}-bit weights, {report['isa']})"
             f" with {report['recipe']}")
+    static = report.get("static_layers") or []
+    if static:
+        text += f", static activation scales in {len(static)} layer{'s' if len(static) > 1 else ''}"
     if report.get("from"):
         text += f", {report['from']}"
     if "mean_cosine" in report:

@@ -7,7 +7,8 @@ residual: [tokens, out] fp32 -> [tokens, out] fp32.
     smooth : [in] or None   per-input-channel divisor (SmoothQuant): x / smooth times W * smooth is x @ W^T, but
                             moves an activation channel's outliers into the weights, which are quantized per row
     x_q    = clamp(round((x / smooth) / s_x) + z_x, 0, 255)      u8, one scale s_x and zero point z_x per call,
-                                                                from the min and max of the ``rows`` real tokens
+                                                                from the min and max of the ``rows`` real tokens,
+                                                                or fixed (``static``: calibrated by the guard)
     W_q    = clamp(round((W * smooth) / s_w[o]), -Q, Q)          s8, symmetric, one scale per output row
     y      = epilogue(s_x * s_w[o] * sum_i (x_q - z_x) W_q + b)  int32 accumulation, then fp32
 
@@ -141,6 +142,19 @@ def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None)
     return out, scale, zero_point
 
 
+def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None = None):
+    """x [tokens, in] float32 -> u8 [tokens, in] with the given scale and zero point (no range taken), in one pass
+    of fastbert._C where it runs, the same bytes as ``quantize_static_ref``."""
+    if quantize_cpu_unavailable_reasons():
+        return quantize_static_ref(x, scale, zero_point, smooth)
+    x, smooth = _quantize_inputs(x, smooth)
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    _extension._C.quantize_static_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                      0 if smooth is None else smooth.data_ptr(), scale, zero_point,
+                                      torch.get_num_threads())
+    return out
+
+
 def quantize_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None):
     """x [tokens, in] float32 -> (u8 [tokens, in], scales [tokens, 1]): a symmetric scale per row, in one pass."""
     x, smooth = _quantize_inputs(x, smooth)
@@ -171,9 +185,22 @@ def quantize_activation_ref(x: torch.Tensor, rows: int | torch.Tensor, smooth: t
         x = torch.div(x, smooth, out=scaled)
     real = x[:rows] if isinstance(rows, int) else x.index_select(0, rows)
     scale, zero_point = qparams(*(float(v) for v in torch.aminmax(real))) if real.numel() else (1.0, 0)
+    return _quantized(x, scale, zero_point, scaled), scale, zero_point
+
+
+def quantize_static_ref(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None = None):
+    """``quantize_static`` in torch ops."""
+    scaled = _scratch_like(x)
+    if smooth is not None:
+        x = torch.div(x, smooth, out=scaled)
+    return _quantized(x, scale, zero_point, scaled)
+
+
+def _quantized(x: torch.Tensor, scale: float, zero_point: int, scaled: torch.Tensor) -> torch.Tensor:
+    """u8 of x with scale and zero point, through ``scaled`` (float32 memory of x's shape, x itself allowed)."""
     # x_q - 128 = clamp(round(x / s_x + z_x - 128), -128, 127); the scaling and the shift in one pass
     torch.add(torch.tensor(zero_point - 128.0), x, alpha=1.0 / scale, out=scaled).round_().clamp_(-128, 127)
-    return _as_u8(scaled), scale, zero_point
+    return _as_u8(scaled)
 
 
 def quantize_activation_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None):
@@ -199,11 +226,13 @@ def quantize_activation_per_token_ref(x: torch.Tensor, smooth: torch.Tensor | No
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bits: int,
                activation: str | None = None, residual: torch.Tensor | None = None,
                smooth: torch.Tensor | None = None, rows: int | torch.Tensor | None = None,
-               per_token: bool = False) -> torch.Tensor:
+               per_token: bool = False, static: tuple[float, int] | None = None) -> torch.Tensor:
     """The same quantized math in float64 torch ops: what ``linear`` must compute up to fp32 rounding."""
     if per_token:
         q, scale = quantize_activation_per_token_ref(x, smooth)
         zero_point, scale = 128, scale.double()
+    elif static is not None:
+        (scale, zero_point), q = static, quantize_static_ref(x, *static, smooth)
     else:
         q, scale, zero_point = quantize_activation_ref(x, x.shape[0] if rows is None else rows, smooth)
     weight_q, weight_scales = quantize_weight_ref(weight, bits, smooth)
@@ -217,10 +246,11 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation: str | None = None,
            residual: torch.Tensor | None = None, rows: int | torch.Tensor | None = None,
-           per_token: bool = False) -> torch.Tensor:
+           per_token: bool = False, static: tuple[float, int] | None = None) -> torch.Tensor:
     """act(x @ W^T + b), or x @ W^T + b + residual, x quantized with the range of its ``rows`` (a count of leading
     rows, or [R] indices; None: all), or with one scale per token (``per_token``: finer, and every row's result is
-    its own alone; the bias, activation and residual then run after the GEMM instead of in its epilogue)."""
+    its own alone; the bias, activation and residual then run after the GEMM instead of in its epilogue), or with
+    the fixed (scale, zero point) ``static`` (no range taken: one pass less over x)."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != weight.in_features:
         raise ValueError(f"x must be float32 [tokens, {weight.in_features}], got {tuple(x.shape)} {x.dtype}")
     if residual is not None and activation is not None:
@@ -232,7 +262,10 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
         y = y if bias is None else y.add_(bias)
         y = y if residual is None else y.add_(residual)
         return y if activation is None else activation_ref(y, activation)
-    q, scale, zero_point = quantize_activation(x, x.shape[0] if rows is None else rows, weight.smooth)
+    if static is not None:
+        (scale, zero_point), q = static, quantize_static(x, *static, weight.smooth)
+    else:
+        q, scale, zero_point = quantize_activation(x, x.shape[0] if rows is None else rows, weight.smooth)
     if residual is not None:
         return torch.ops.onednn.qlinear_pointwise.binary(
             q, scale, zero_point, weight.packed, weight.scales, weight.zero_points, residual.contiguous(), bias,

@@ -8,7 +8,8 @@ embeddings stay what they were.
    pooler and heads stay float32; the fp32 parameters stay as they are (state_dict, ``save_pretrained``).
 2. The guard (``guard.py``) compares the int8 model with float32 on real sentences and climbs a ladder of recipes
    (per-call scales, SmoothQuant with per-token scales, layers kept in float32) until they agree, or leaves the
-   model float32 with a warning.
+   model float32 with a warning; where they agree, static activation scales calibrated on those sentences replace
+   the per-call ones in the layers where the guard still passes.
 3. The decision goes into the encoder's config (``config.fastbert_int8``), so a saved model (``save_pretrained``,
    ``SentenceTransformer.save``) carries it: loading it through fastbert (``optimize``, the Auto classes, a family
    class's ``from_pretrained``) runs the same int8 GEMMs without the guard, where the weights and this CPU's weight
@@ -60,7 +61,7 @@ def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = 
     else:
         outcome = {**int8_guard.run(model, encoders, layers, bits, texts, tokenizer, show_progress_bar),
                    "guard": True}
-    meta = {key: outcome[key] for key in ("recipe", "float32_layers", "guard") if key in outcome}
+    meta = {key: outcome[key] for key in ("recipe", "float32_layers", "static_layers", "guard") if key in outcome}
     for encoder in encoders:  # (the decision, or none where the model stayed float32, goes with the checkpoint)
         int8.to_config(encoder, bits, {**meta, "figures": {k: v for k, v in outcome.items() if "cosine" in k
                                                            or "agreement" in k}})

@@ -30,13 +30,14 @@ TEXTS = ["The bakery on the corner sells out of rye bread before nine.", "Wie sp
 
 
 def chosen_linears(model) -> dict[str, tuple]:
-    return {name: (c.bits, c.per_token, None if c.smooth is None else c.smooth.tolist())
+    return {name: (c.bits, c.per_token, None if c.smooth is None else c.smooth.tolist(), c.static)
             for name, m in model.named_modules() if (c := int8.chosen(m)) is not None}
 
 
 def test_a_saved_sentence_transformer_reloads_quantized(int8_on, minilm, tmp_path, caplog):
     """quantize -> SentenceTransformer.save -> a new process's SentenceTransformer + optimize: the same int8
-    choices (SmoothQuant divisors included), the same embeddings bit for bit, no guard run; the fp32 weights on disk
+    choices (SmoothQuant divisors and static scales included), the same embeddings bit for bit, no guard run; the
+    fp32 weights on disk
     are the checkpoint's. quantize() on the reloaded model reuses the decision; plain sentence-transformers reloads a
     float32 model."""
     st = pytest.importorskip("sentence_transformers")
@@ -51,6 +52,7 @@ def test_a_saved_sentence_transformer_reloads_quantized(int8_on, minilm, tmp_pat
     with caplog.at_level(logging.INFO, logger="fastbert"):
         reloaded = fastbert.optimize(plain)
     assert chosen_linears(reloaded) == chosen_linears(model) != {}
+    assert any(static is not None for *_, static in chosen_linears(model).values())
     assert "the decision saved with the checkpoint" in caplog.text
     torch.testing.assert_close(reloaded.encode(TEXTS, convert_to_tensor=True), expected, rtol=0, atol=0)
     report = fastbert.info()["int8"]["models"][-1]

@@ -96,8 +96,9 @@ def _build_fastbert_int8(ms: ModelSet, opts, log) -> Forward:
     if report["outcome"] != "int8":
         raise Unavailable(f"fastbert.quantize kept {ms.name} in float32: {report.get('why')}")
     figures = ", ".join(f"{k} {report[k]}" for k in ("mean_cosine", "p1_cosine", "min_cosine") if k in report)
-    log(f"  fastbert-int8: {report['isa']}; recipe: {report['recipe']}; float32 layers: "
-        f"{report['float32_layers'] or 'none'}" + (f"; guard: {figures}" if figures else "; no guard (no tokenizer)"))
+    log(f"  fastbert-int8: {report['isa']}; recipe: {report['recipe']}; static activation scales in "
+        f"{len(report.get('static_layers') or [])} layers; float32 layers: {report['float32_layers'] or 'none'}"
+        + (f"; guard: {figures}" if figures else "; no guard (no tokenizer)"))
     return _module_forward(model)
 
 

