@@ -18,8 +18,9 @@ c. SmoothQuant and per-token scales for every GEMM;
 then keeps the layers whose int8 costs most (each measured alone) in float32, one at a time; and if every layer but
 one had to, leaves the model float32, with a warning.
 
-Where a recipe passes, the inputs it scales per call get static scales instead, calibrated on the same sentences
-(the range of x / smooth over their real tokens, recorded in the first int8 run): no range is taken at run time. In
+Where a recipe passes, the inputs it scales per call get static scales instead, calibrated on half of the sentences
+(every other batch: the range of x / smooth over their real tokens, recorded in the first int8 run) and judged on all
+of them, so that the other half shows what values past the calibrated range do: no range is taken at run time. In
 every layer if the guard still passes; else in the layers where static scales cost least (each measured alone), as
 many as keep it passing; the others keep their per-call scales.
 """
@@ -120,18 +121,19 @@ def run(model, encoders, layers: list[_Layer], bits: int, texts: list[str] | Non
 def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress) -> dict:
     """The first of ``RECIPES`` the guard passes with, else the last one with the costliest layers in float32 until
     it passes; the guard's figures and what was chosen."""
-    def outputs():
-        return _outputs(model, encoders, batches, progress)
+    def outputs(calibration: dict | None = None):
+        return _outputs(model, encoders, batches, progress, calibration)
 
     choose(layers, None)
     reference = outputs()
     smooth = ranges = None
     for recipe in RECIPES:
         choose(layers, bits, recipe, smooth)
+        calibration = {} if ranges is None else None
         with int8.recording() as seen:  # (the GEMM inputs' ranges: SmoothQuant's divisors, static scales)
-            figures = _compare(reference, outputs())
+            figures = _compare(reference, outputs(calibration))
         if ranges is None:
-            ranges, smooth = seen, _smoothing(layers, seen)
+            ranges, smooth = calibration, _smoothing(layers, seen)
         if _passes(figures):
             static, figures = _static_where_it_passes(layers, bits, recipe, smooth, ranges, figures,
                                                       lambda: _compare(reference, outputs()), progress)
@@ -209,14 +211,19 @@ def _smoothing(layers: list[_Layer], ranges: dict) -> dict:
     return smooth
 
 
-def _outputs(model, encoders, batches, progress) -> dict[str, torch.Tensor]:
+def _outputs(model, encoders, batches, progress, calibration: dict | None = None) -> dict[str, torch.Tensor]:
     """{"embeddings": [sentences, sum of widths] mean-pooled, per encoder side by side; "logits": a classification
-    head's logits at what it classifies, [items, labels]} (no "logits" without such a head)."""
+    head's logits at what it classifies, [items, labels]} (no "logits" without such a head). ``calibration``: also
+    keeps the int8 GEMM inputs' ranges of every other batch there (``int8.recording``, which sees all of them)."""
     head = _classification_head(model, encoders)
     pooled, logits = [], []
-    for batch in batches:
+    for index, batch in enumerate(batches):
         mask = batch["attention_mask"].unsqueeze(-1).float()  # [B, S, 1]
-        states = [e(**_accepted(e, batch)).last_hidden_state for e in encoders]  # [B, S, H] each
+        with int8.recording() as seen:
+            states = [e(**_accepted(e, batch)).last_hidden_state for e in encoders]  # [B, S, H] each
+        int8.merge_ranges(seen)  # (into the recording around this call, if any)
+        if calibration is not None and index % 2 == 0:
+            int8.merge_ranges(seen, calibration)
         pooled.append(torch.cat([(s * mask).sum(1) / mask.sum(1).clamp_min(1) for s in states], dim=-1))
         if head is not None:
             out = head(**_accepted(head, batch)).logits
@@ -307,11 +314,14 @@ def _tokenizer(model, tokenizer, encoders):
 
 
 def _batches(tokenizer, texts: list[str], encoders) -> list[dict]:
+    """Batches of at most ``_BATCH`` texts, and two at least where there are two texts (static scales are calibrated
+    on every other batch and judged on all)."""
     limit = min([128] + [e.config.max_position_embeddings for e in encoders
                          if getattr(e.config, "max_position_embeddings", None)])
-    return [dict(tokenizer(texts[i:i + _BATCH], padding=True, truncation=True, max_length=limit,
+    size = max(1, min(_BATCH, (len(texts) + 1) // 2))
+    return [dict(tokenizer(texts[i:i + size], padding=True, truncation=True, max_length=limit,
                            return_tensors="pt"))
-            for i in range(0, len(texts), _BATCH)]
+            for i in range(0, len(texts), size)]
 
 
 class _Progress:

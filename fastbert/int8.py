@@ -230,10 +230,18 @@ def record(linears: tuple[nn.Module, ...], x: torch.Tensor) -> None:
         return
     rows = real_rows(x)
     low, high = torch.aminmax(x[:rows] if isinstance(rows, int) else x.index_select(0, rows), dim=0)  # [in] each
-    for linear in linears:
-        if linear in ranges:
-            low, high = torch.minimum(ranges[linear][0], low), torch.maximum(ranges[linear][1], high)
-        ranges[linear] = (low, high)
+    merge_ranges({linear: (low, high) for linear in linears}, ranges)
+
+
+def merge_ranges(ranges: dict, into: dict | None = None) -> None:
+    """Widen ``into`` (default: the ``recording`` running in this thread, if any) by ``ranges``."""
+    into = getattr(_recording, "ranges", None) if into is None else into
+    if into is None:
+        return
+    for linear, (low, high) in ranges.items():
+        if linear in into:
+            low, high = torch.minimum(into[linear][0], low), torch.maximum(into[linear][1], high)
+        into[linear] = (low, high)
 
 
 def static_qparams(low: torch.Tensor, high: torch.Tensor, smooth: torch.Tensor | None) -> tuple[float, int]:

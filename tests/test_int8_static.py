@@ -130,3 +130,12 @@ def test_the_guard_keeps_per_call_scales_where_static_ones_fail(int8_on, minilm)
     assert chosen == [n for n in names if n != names[2]], chosen  # (cheapest first: 0, 1, 3, 4, 5)
     for layer in layers:
         assert all((int8.chosen(m).static is not None) == (layer.name in chosen) for m in layer.linears)
+
+
+def test_static_scales_are_judged_on_sentences_they_were_not_calibrated_on(minilm):
+    """The guard's batches: two at least from two texts, so every other batch (calibration) leaves sentences out."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
+    encoders = [transformers.AutoModel.from_pretrained(minilm)]
+    for count, sizes in ((1, [1]), (2, [1, 1]), (5, [3, 2]), (40, [16, 16, 8])):
+        batches = guard._batches(tokenizer, [f"sentence {i}" for i in range(count)], encoders)
+        assert [len(b["input_ids"]) for b in batches] == sizes
