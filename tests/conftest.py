@@ -34,6 +34,18 @@ os.environ["FASTBERT_CACHE_DIR"] = _CACHE_DIR.name
 os.environ.setdefault("FASTBERT_NUM_THREADS", str(torch.get_num_threads()))
 
 @pytest.fixture
+def int8_on(fastbert_env):
+    """Int8 GEMMs forced on (``FASTBERT_CPU_INT8=on``), so int8 tests do not depend on this CPU's measurement;
+    skipped where oneDNN's int8 linear cannot run."""
+    from fastbert import int8_linear
+
+    reasons = int8_linear.unavailable_reasons()
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    fastbert_env(FASTBERT_CPU_INT8="on")
+
+
+@pytest.fixture
 def measurements_kept(monkeypatch):
     """Every one-time measurement of this test is trusted, whatever else keeps the machine busy: for tests of what
     the store does with a measurement, not of how fastbert tells a busy machine (tests/test_store.py has those)."""

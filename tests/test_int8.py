@@ -1,5 +1,5 @@
 """CPU int8 (``fastbert.quantize``): the int8 GEMM op against a float64 reference of the same quantized math on odd
-shapes with every epilogue, the saturation case of CPUs without VNNI, ranges over the real tokens only, every family
+shapes with every epilogue and every kind of input scale, the saturation case of CPUs without VNNI, ranges over the real tokens only, every family
 and head, the accuracy guard on the real all-MiniLM-L6-v2 (pass) and on a model made to fail, save/reload, and bad
 input. Int8 is forced on (``FASTBERT_CPU_INT8=on``) so the tests do not depend on this CPU's measurement."""
 
@@ -14,14 +14,6 @@ from test_families import FAMILIES, FAMILY_IDS, _head_cases, _pad_id, inputs
 
 import fastbert
 from fastbert import derived, int8, int8_linear
-
-
-@pytest.fixture
-def int8_on(fastbert_env):
-    reasons = int8_linear.unavailable_reasons()
-    if reasons:
-        pytest.skip("; ".join(reasons))
-    fastbert_env(FASTBERT_CPU_INT8="on")
 
 
 def bits_here() -> list[int]:
@@ -55,10 +47,11 @@ def test_one_pass_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
 
 @pytest.mark.parametrize("tokens, d_in, d_out", SHAPES)
 @pytest.mark.parametrize("epilogue", [None, "gelu", "gelu_new", "relu", "residual"])
-@pytest.mark.parametrize("per_token", [False, True], ids=["per-call", "per-token"])
+@pytest.mark.parametrize("scales", ["per-call", "per-token", "static", "static, saturating"])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
-def test_linear_matches_reference(int8_on, tokens, d_in, d_out, epilogue, per_token, smooth):
-    """The op computes the quantized math exactly (int32 accumulation) up to fp32 rounding of the result."""
+def test_linear_matches_reference(int8_on, tokens, d_in, d_out, epilogue, scales, smooth):
+    """The op computes the quantized math exactly (int32 accumulation) up to fp32 rounding of the result, with the
+    input's scale per call, per token or static (calibrated on x, or on half its range: saturated values)."""
     generator = torch.Generator().manual_seed(tokens + d_in)
     x = torch.randn(tokens, d_in, generator=generator)
     weight = torch.randn(d_out, d_in, generator=generator) * d_in ** -0.5
@@ -66,17 +59,23 @@ def test_linear_matches_reference(int8_on, tokens, d_in, d_out, epilogue, per_to
     residual = torch.randn(tokens, d_out, generator=generator) if epilogue == "residual" else None
     activation = None if epilogue in (None, "residual") else epilogue
     divisor = torch.rand(d_in, generator=generator) + 0.5 if smooth else None
+    per_token, static = scales == "per-token", None
+    if scales.startswith("static"):
+        low, high = (float(v) / (2.0 if "saturating" in scales else 1.0)
+                     for v in torch.aminmax(x / (1.0 if divisor is None else divisor)))
+        static = int8_linear.qparams(low, high)
     for bits in bits_here():
-        ref = int8_linear.linear_ref(x, weight, bias, bits, activation, residual, divisor, per_token=per_token)
+        ref = int8_linear.linear_ref(x, weight, bias, bits, activation, residual, divisor, per_token=per_token,
+                                     static=static)
         packed = int8_linear.quantize_weight(weight, bits, divisor)
         with torch.inference_mode():
-            out = int8_linear.linear(x, packed, bias, activation, residual, per_token=per_token)
+            out = int8_linear.linear(x, packed, bias, activation, residual, per_token=per_token, static=static)
         assert out.dtype == torch.float32 and out.shape == (tokens, d_out)
         torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
         # and it is int8 quality against the float32 product (a loose sanity bound, not the accuracy test)
         exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
         exact = exact if residual is None else exact + residual.double()
-        if activation is None:
+        if activation is None and "saturating" not in scales:
             assert torch.nn.functional.cosine_similarity(out.double().flatten(), exact.flatten(), dim=0) > 0.999
 
 

@@ -9,15 +9,7 @@ import torch
 import transformers
 
 import fastbert
-from fastbert import int8, int8_linear
-
-
-@pytest.fixture
-def int8_on(fastbert_env):
-    reasons = int8_linear.unavailable_reasons()
-    if reasons:
-        pytest.skip("; ".join(reasons))
-    fastbert_env(FASTBERT_CPU_INT8="on")
+from fastbert import int8
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Static activation scales of the CPU int8 GEMMs (``fastbert.quantize``'s guard calibrates them): the one-pass
-static quantizer against its torch reference (same bytes, saturation past the calibrated range), the int8 GEMM with a
-static scale against a float64 reference of the same quantized math (odd shapes, every epilogue), the scales derived
-from recorded ranges, and the guard choosing static or per-call scales per layer. Int8 forced on
+static quantizer against its torch reference (same bytes, saturation past the calibrated range), the scales derived
+from recorded ranges, and the guard choosing static or per-call scales per layer (the int8 GEMM with a static scale
+against its float64 reference: tests/test_int8.py). Int8 forced on
 (``FASTBERT_CPU_INT8=on``), as in tests/test_int8.py."""
 
 import pytest
@@ -10,17 +10,6 @@ import transformers
 
 import fastbert
 from fastbert import guard, int8, int8_linear
-
-SHAPES = [(1, 312, 26), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens, in, out)
-
-
-@pytest.fixture
-def int8_on(fastbert_env):
-    reasons = int8_linear.unavailable_reasons()
-    if reasons:
-        pytest.skip("; ".join(reasons))
-    fastbert_env(FASTBERT_CPU_INT8="on")
-
 
 @pytest.mark.parametrize("tokens, d_in", [(0, 5), (1, 3), (7, 64), (300, 96), (33, 3072)])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
@@ -41,29 +30,6 @@ def test_static_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
         assert q.tolist() == [[0, 255, 100]]
     with pytest.raises(ValueError):
         int8_linear._extension._C.quantize_static_cpu(x.data_ptr(), x.data_ptr(), 0, 0, 0, 0.0, 0, 1)
-
-
-@pytest.mark.parametrize("tokens, d_in, d_out", SHAPES)
-@pytest.mark.parametrize("epilogue", [None, "gelu", "gelu_new", "relu", "residual"])
-@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
-def test_static_linear_matches_reference(int8_on, tokens, d_in, d_out, epilogue, smooth):
-    """The op with a static scale computes the quantized math exactly (int32 accumulation) up to fp32 rounding, also
-    where the input exceeds the calibrated range (a range half of x's: saturated values)."""
-    generator = torch.Generator().manual_seed(tokens + d_in + 2)
-    x = torch.randn(tokens, d_in, generator=generator)
-    weight = torch.randn(d_out, d_in, generator=generator) * d_in ** -0.5
-    bias = 0.1 * torch.randn(d_out, generator=generator)
-    residual = torch.randn(tokens, d_out, generator=generator) if epilogue == "residual" else None
-    activation = None if epilogue in (None, "residual") else epilogue
-    divisor = torch.rand(d_in, generator=generator) + 0.5 if smooth else None
-    low, high = torch.aminmax(x / (1.0 if divisor is None else divisor))
-    for static in (int8_linear.qparams(float(low), float(high)), int8_linear.qparams(float(low) / 2, float(high) / 2)):
-        for bits in [7, 8] if int8.weight_bits() == 8 else [7]:
-            ref = int8_linear.linear_ref(x, weight, bias, bits, activation, residual, divisor, static=static)
-            packed = int8_linear.quantize_weight(weight, bits, divisor)
-            with torch.inference_mode():
-                out = int8_linear.linear(x, packed, bias, activation, residual, static=static)
-            torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6 * ref.abs().max().item())
 
 
 def test_static_scales_cover_what_was_recorded(int8_on):
