@@ -1,7 +1,8 @@
 """CPU int8 (``fastbert.quantize``): the int8 GEMM op against a float64 reference of the same quantized math on odd
-shapes with every epilogue and every kind of input scale, the saturation case of CPUs without VNNI, ranges over the real tokens only, every family
-and head, the accuracy guard on the real all-MiniLM-L6-v2 (pass) and on a model made to fail, save/reload, and bad
-input. Int8 is forced on (``FASTBERT_CPU_INT8=on``) so the tests do not depend on this CPU's measurement."""
+shapes with every epilogue and every kind of input scale, the saturation case of CPUs without VNNI, ranges over the
+real tokens only, every family and head, the accuracy guard on the real all-MiniLM-L6-v2 (pass) and on a model made
+to fail, save/reload, and bad input. Int8 is forced on (``FASTBERT_CPU_INT8=on``) so the tests do not depend on this
+CPU's measurement."""
 
 import copy
 import logging

@@ -1,8 +1,7 @@
 """Static activation scales of the CPU int8 GEMMs (``fastbert.quantize``'s guard calibrates them): the one-pass
 static quantizer against its torch reference (same bytes, saturation past the calibrated range), the scales derived
 from recorded ranges, and the guard choosing static or per-call scales per layer (the int8 GEMM with a static scale
-against its float64 reference: tests/test_int8.py). Int8 forced on
-(``FASTBERT_CPU_INT8=on``), as in tests/test_int8.py."""
+against its float64 reference: tests/test_int8.py). Int8 forced on (``FASTBERT_CPU_INT8=on``)."""
 
 import pytest
 import torch
