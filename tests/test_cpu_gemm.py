@@ -183,7 +183,11 @@ def test_backend_torch_keeps_f_linear(fastbert_env):
     assert fastbert.info()["backends"]["gemm"] == "torch"
 
 
-def test_info_reports_the_measurement_and_the_cpu(fastbert_env):
+def test_info_reports_the_measurement_and_the_cpu(fastbert_env, monkeypatch, tmp_path, measurements_kept):
+    """info() lists this machine's GEMM figures (measured here, in a store of this test's own, and trusted whatever
+    else keeps the machine busy) and the CPU."""
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_figures", {})
     fastbert_env(FASTBERT_CPU_GEMM="auto")
     if not cpu_gemm.unavailable_reasons(torch.float32):
         assert dispatch.report(torch.device("cpu"), torch.float32)[0]["gemm"] in ("onednn", "torch")
