@@ -26,6 +26,7 @@ many as keep it passing; the others keep their per-call scales.
 """
 
 import collections
+import contextlib
 import inspect
 import os
 import sys
@@ -94,10 +95,15 @@ def choose(layers: list[_Layer], bits: int | None, recipe: _Recipe = RECIPES[0],
         for linear in layer.linears:
             choice = None
             if bits is not None and layer.name not in float32:
-                per_token = recipe.per_token == "all" or (recipe.per_token == "mlp_out" and linear in layer.mlp_out)
+                per_token = _per_token(recipe, layer, linear)
                 fixed = None if per_token else (static or {}).get(linear)
                 choice = int8.Choice(bits, (smooth or {}).get(linear) if recipe.smooth else None, per_token, fixed)
             int8.choose(linear, choice)
+
+
+def _per_token(recipe: _Recipe, layer: _Layer, linear: nn.Linear) -> bool:
+    """Whether ``recipe`` gives ``linear``'s input one scale per token."""
+    return recipe.per_token == "all" or (recipe.per_token == "mlp_out" and linear in layer.mlp_out)
 
 
 # --- the guard -------------------------------------------------------------------------------------------------------
@@ -163,8 +169,11 @@ def _static_where_it_passes(layers: list[_Layer], bits: int, recipe: _Recipe, sm
     """Static scales for ``recipe`` (passing with per-call ones, ``figures``) where the guard still passes (module
     docstring): (the names of the layers given them, the guard's figures with them)."""
     static = {linear: int8.static_qparams(*ranges[linear], smooth.get(linear) if recipe.smooth else None)
-              for layer in layers for linear in layer.linears if linear in ranges}
-    names = [layer.name for layer in layers]
+              for layer in layers for linear in layer.linears
+              if linear in ranges and not _per_token(recipe, layer, linear)}
+    names = [layer.name for layer in layers if any(linear in static for linear in layer.linears)]
+    if not names:  # (every input scaled per token)
+        return [], figures
     progress.more(1)
     choose(layers, bits, recipe, smooth, static=static)
     everywhere = judge()
@@ -219,10 +228,11 @@ def _outputs(model, encoders, batches, progress, calibration: dict | None = None
     pooled, logits = [], []
     for index, batch in enumerate(batches):
         mask = batch["attention_mask"].unsqueeze(-1).float()  # [B, S, 1]
-        with int8.recording() as seen:
+        calibrating = calibration is not None and index % 2 == 0
+        with int8.recording() if calibrating else contextlib.nullcontext() as seen:
             states = [e(**_accepted(e, batch)).last_hidden_state for e in encoders]  # [B, S, H] each
-        int8.merge_ranges(seen)  # (into the recording around this call, if any)
-        if calibration is not None and index % 2 == 0:
+        if calibrating:
+            int8.merge_ranges(seen)  # (into the recording around this call, if any)
             int8.merge_ranges(seen, calibration)
         pooled.append(torch.cat([(s * mask).sum(1) / mask.sum(1).clamp_min(1) for s in states], dim=-1))
         if head is not None:

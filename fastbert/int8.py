@@ -125,10 +125,10 @@ def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Linear, Choice] 
                     return None, f"the divisor of {name!r} has {smooth.numel()} values, not {linear.in_features}"
             static = None
             if "static" in entry:
-                scale, zero_point = float(entry["static"][0]), int(entry["static"][1])
-                if not (0.0 < scale < float("inf") and 0 <= zero_point <= 255):
+                scale, zero_point = entry["static"]  # (anything but a pair raises ValueError or TypeError)
+                if not (isinstance(zero_point, int) and 0.0 < float(scale) < float("inf") and 0 <= zero_point <= 255):
                     return None, f"the static scale of {name!r} is out of range ({entry['static']})"
-                static = (scale, zero_point)
+                static = (float(scale), zero_point)
             choices[linear], named[name] = Choice(bits, smooth, bool(entry["per_token"]), static), linear
         if weights_digest(named) != saved["weights"]:
             return None, "the weights differ from those it was judged on (run fastbert.quantize(model) again)"

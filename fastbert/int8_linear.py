@@ -147,6 +147,7 @@ def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torc
     of fastbert._C where it runs, the same bytes as ``quantize_static_ref``."""
     if quantize_cpu_unavailable_reasons():
         return quantize_static_ref(x, scale, zero_point, smooth)
+    _check_static(scale, zero_point)
     x, smooth = _quantize_inputs(x, smooth)
     out = torch.empty(x.shape, dtype=torch.uint8)
     _extension._C.quantize_static_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
@@ -190,10 +191,17 @@ def quantize_activation_ref(x: torch.Tensor, rows: int | torch.Tensor, smooth: t
 
 def quantize_static_ref(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None = None):
     """``quantize_static`` in torch ops."""
+    _check_static(scale, zero_point)
     scaled = _scratch_like(x)
     if smooth is not None:
         x = torch.div(x, smooth, out=scaled)
     return _quantized(x, scale, zero_point, scaled)
+
+
+def _check_static(scale: float, zero_point: int) -> None:
+    if not (0.0 < scale < math.inf and 0 <= zero_point <= 255):
+        raise ValueError(f"a static scale must be finite and > 0, its zero point in [0, 255]; got {scale}, "
+                         f"{zero_point}")
 
 
 def _quantized(x: torch.Tensor, scale: float, zero_point: int, scaled: torch.Tensor) -> torch.Tensor:
@@ -228,6 +236,8 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                smooth: torch.Tensor | None = None, rows: int | torch.Tensor | None = None,
                per_token: bool = False, static: tuple[float, int] | None = None) -> torch.Tensor:
     """The same quantized math in float64 torch ops: what ``linear`` must compute up to fp32 rounding."""
+    if per_token and static is not None:
+        raise ValueError("an input is quantized per token or with a static scale, not both")
     if per_token:
         q, scale = quantize_activation_per_token_ref(x, smooth)
         zero_point, scale = 128, scale.double()
@@ -255,6 +265,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
         raise ValueError(f"x must be float32 [tokens, {weight.in_features}], got {tuple(x.shape)} {x.dtype}")
     if residual is not None and activation is not None:
         raise ValueError("the int8 linear fuses an activation or a residual add, not both")
+    if per_token and static is not None:
+        raise ValueError("an input is quantized per token or with a static scale, not both")
     if per_token:
         q, scales = quantize_activation_per_token(x, weight.smooth)
         y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, weight.packed, weight.scales, weight.zero_points, None,

@@ -175,8 +175,8 @@ def _attention_fwd_kernel(
             q_col = offs_m
     rel_row = REL_BIAS + head.to(tl.int64) * (2 * rel_radius + 1)  # this head's bias by distance (if HAS_REL_BIAS)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the (unscaled) scores
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^(s - m_i) v
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^((s - m_i) c)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^((s - m_i) c) v
     for start_n in range(kv_start, kv_len, BLOCK_N):
         keys = start_n + offs_n
         if EVEN_N:  # a constant: the compiler folds it out of the load masks

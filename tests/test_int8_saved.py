@@ -89,6 +89,20 @@ def test_a_saved_decision_is_not_applied_to_other_weights_or_bits(int8_on, small
     assert not chosen_linears(loaded)
 
 
+@pytest.mark.parametrize("static", [[0.5], "ab", [0.0, 3], [1.0, 300], [1.0, 2.5], None])
+def test_a_malformed_static_scale_is_not_applied(int8_on, small_bert_config, tmp_path, static):
+    """A saved static scale that is not a (finite positive scale, zero point in [0, 255]) pair: the decision is not
+    applied, said, and the model runs float32."""
+    torch.manual_seed(0)
+    model = fastbert.quantize(transformers.BertModel(small_bert_config()).eval(), guard=False)
+    entries = model.config.fastbert_int8["linears"]
+    entries[next(iter(entries))]["static"] = static
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="not applied"):
+        loaded = fastbert.BertModel.from_pretrained(tmp_path)
+    assert not chosen_linears(loaded)
+
+
 def test_a_float32_outcome_removes_the_saved_decision(int8_on, small_bert_config):
     model = fastbert.quantize(transformers.BertModel(small_bert_config()).eval(), guard=False)
     assert getattr(model.config, int8.CONFIG_KEY)["linears"]
