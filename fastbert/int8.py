@@ -45,6 +45,8 @@ class Choice:
                  static: tuple[float, int] | None = None):
         if per_token and static is not None:
             raise ValueError("an input is quantized per token or with a static scale, not both")
+        if static is not None:
+            int8_linear.check_static(*static)
         self.bits, self.smooth, self.per_token, self.static = bits, smooth, per_token, static
 
 
@@ -124,10 +126,8 @@ def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Linear, Choice] 
                 if smooth.shape != (linear.in_features,):
                     return None, f"the divisor of {name!r} has {smooth.numel()} values, not {linear.in_features}"
             static = None
-            if "static" in entry:
-                scale, zero_point = entry["static"]  # (anything but a pair raises ValueError or TypeError)
-                if not (isinstance(zero_point, int) and 0.0 < float(scale) < float("inf") and 0 <= zero_point <= 255):
-                    return None, f"the static scale of {name!r} is out of range ({entry['static']})"
+            if "static" in entry:  # (anything but a valid pair raises ValueError or TypeError: Choice checks it)
+                scale, zero_point = entry["static"]
                 static = (float(scale), zero_point)
             choices[linear], named[name] = Choice(bits, smooth, bool(entry["per_token"]), static), linear
         if weights_digest(named) != saved["weights"]:

@@ -147,8 +147,7 @@ def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torc
     of fastbert._C where it runs, the same bytes as ``quantize_static_ref``."""
     if quantize_cpu_unavailable_reasons():
         return quantize_static_ref(x, scale, zero_point, smooth)
-    _check_static(scale, zero_point)
-    x, smooth = _quantize_inputs(x, smooth)
+    x, smooth = _quantize_inputs(x, smooth)  # (the kernel checks scale and zero point as check_static does)
     out = torch.empty(x.shape, dtype=torch.uint8)
     _extension._C.quantize_static_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                                       0 if smooth is None else smooth.data_ptr(), scale, zero_point,
@@ -191,15 +190,16 @@ def quantize_activation_ref(x: torch.Tensor, rows: int | torch.Tensor, smooth: t
 
 def quantize_static_ref(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None = None):
     """``quantize_static`` in torch ops."""
-    _check_static(scale, zero_point)
+    check_static(scale, zero_point)
     scaled = _scratch_like(x)
     if smooth is not None:
         x = torch.div(x, smooth, out=scaled)
     return _quantized(x, scale, zero_point, scaled)
 
 
-def _check_static(scale: float, zero_point: int) -> None:
-    if not (0.0 < scale < math.inf and 0 <= zero_point <= 255):
+def check_static(scale: float, zero_point: int) -> None:
+    """A static (scale, zero point) is a finite positive float and an int in [0, 255], or ValueError."""
+    if not (isinstance(zero_point, int) and 0.0 < float(scale) < math.inf and 0 <= zero_point <= 255):
         raise ValueError(f"a static scale must be finite and > 0, its zero point in [0, 255]; got {scale}, "
                          f"{zero_point}")
 
