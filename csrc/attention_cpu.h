@@ -1,8 +1,9 @@
 // Padding-free attention on the CPU, float32: each sequence's rows attend to that sequence only, optionally with a
-// relative-position bias by distance (MPNet's).
+// relative-position bias by distance (MPNet's) or DeBERTa's disentangled position terms.
 //
 //   out[i, h] = sum_{j : |j - i| <= window} softmax_j(scale * q[i, h] . k[j, h] + bias[h, clamp(j - i, -R, R) + R]) v[j, h]
 //
+// or DeBERTa's disentangled scores, scale * (q . k + the query's and the key's position terms) gathered from tables.
 // i, j run over one sequence's rows; distances are between their offsets, or between their columns in the padded
 // batch when the caller passes them (a mask with holes). The reference is
 // kernels/attention.py's attention_varlen_ref; fastbert/_extension.py checks every tensor before the kernel runs.
@@ -26,6 +27,14 @@ struct AttentionCpuArgs {
   int64_t window;               // query i sees key j only where |j - i| <= window; < 0: every key
   const int32_t* columns;       // [T] the tokens' columns, distances between them; null: their offsets
   float scale;                  // 1 / sqrt(D), as the model uses it
+  // DeBERTa's disentangled terms (fastbert/ops/disentangled.py), null for none: the score of query i and key j is
+  // scale * (q_i . k_j + c2p[h, i, r] + p2c[h, j, r]) with r = rel_index[column_i - column_j + rel_center].
+  const float* c2p;             // [H, T, R] contiguous, or null
+  const float* p2c;             // [H, T, R] contiguous, or null
+  int64_t rel_rows;             // R
+  const int32_t* rel_index;     // [2 rel_center + 1], rows in [0, R); non-null where c2p or p2c is
+  int64_t rel_center;           // reaches every distance between a sequence's columns
+  int64_t tokens;               // T = sum of seqlens
 };
 
 // The instruction sets the kernel can run with here, fastest first: "avx512", "avx2"; none when this CPU or build

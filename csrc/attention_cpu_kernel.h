@@ -10,7 +10,9 @@
 //   kt [D, Lp]  = k^T, zero past L      vp [L, Dp] = v, zero past D      (Lp, Dp: L, D rounded up to LANES)
 //   line[t]     = bias[h, clamp(t - (L - 1), -R, R) + R]: row i's bias for key j is line[j - i + L - 1]
 //                 (a sequence with holes reads the table by its columns instead, key by key)
-//   per ROWS queries: s = q kt (registers -> [ROWS, Lp] in L1), p = exp(scale s + bias - max) row by row,
+//   rline[t]    = rel_index[(L - 1 - t) + center] (DeBERTa): row i's table row for key j is rline[j - i + L - 1]
+//   per ROWS queries: s = q kt (registers -> [ROWS, Lp] in L1), p = exp(scale s + bias - max) row by row (DeBERTa:
+//                     exp(scale (s + c2p[i, r] + p2c[j, r]) - max), the two terms gathered by r),
 //                     out = (p vp) / sum(p), first D lanes stored.
 // Each query's whole row of scores is kept (ROWS rows of Lp floats: L1 up to about a thousand keys, L2 beyond), so
 // the softmax is exact in one pass, with no running rescale.
@@ -26,6 +28,17 @@ constexpr int ROWS = 4;  // queries per register tile
 KERNEL_TARGET static inline vec splat(float x) { return vec{} + x; }
 KERNEL_TARGET static inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
 KERNEL_TARGET static inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+KERNEL_TARGET static inline ivec load_int(const int32_t* p) { ivec v; std::memcpy(&v, p, sizeof v); return v; }
+
+// base[index[k]] for each lane k (every index in bounds: the caller clamps the lanes it masks afterwards)
+KERNEL_TARGET static inline vec gather(const float* base, ivec index) {
+#if LANES == 16
+  return reinterpret_cast<vec>(_mm512_i32gather_ps(reinterpret_cast<__m512i>(index), base, 4));
+#else
+  return reinterpret_cast<vec>(_mm256_i32gather_ps(base, reinterpret_cast<__m256i>(index), 4));
+#endif
+}
 
 KERNEL_TARGET static inline float reduce_max(vec v) {
   float m = v[0];
@@ -62,6 +75,7 @@ KERNEL_TARGET static inline vec exp_nonpositive(vec x) {
 
 struct Scratch {
   std::vector<float> kt, vp, line, scores;
+  std::vector<int32_t> rline;
 };
 
 // s[r, j] = q_r . kt[:, j] for the ROWS query rows `q` (each D floats) and the Lp keys of kt: QK_VECS * LANES keys
@@ -111,7 +125,17 @@ struct RowTerms {
   const float* table;    // [2R + 1] this head's bias by distance, or null (read with columns only)
   int64_t radius, window;  // window < 0: none
   int64_t i;
+  // DeBERTa: row i's c2p [rows] and the sequence's p2c [L, rows] for this head (either may be null), with row i's
+  // slice of rline (consecutive columns) or the index by distance (read with columns)
+  const float* c2p;
+  const float* p2c;
+  int64_t rows;
+  const int32_t* rline;
+  const int32_t* index;
+  int64_t center;
 };
+
+KERNEL_TARGET static inline bool disentangled(const RowTerms& t) { return t.c2p || t.p2c; }
 
 // scores row [Lp] -> exp(scale s + bias - max) (zero for keys past L or outside the window); returns 1 / sum.
 KERNEL_TARGET static inline float softmax_row(float* row, const RowTerms& t, int64_t L, int64_t Lp, float scale) {
@@ -123,6 +147,10 @@ KERNEL_TARGET static inline float softmax_row(float* row, const RowTerms& t, int
       const int64_t distance = j < L ? t.columns[j] - ci : 0;
       float x = row[j] * scale;
       if (t.table) x += t.table[std::min(std::max(distance, -t.radius), t.radius) + t.radius];
+      if (disentangled(t) && j < L) {
+        const int32_t r = t.index[t.center - distance];  // (the index is by query column - key column)
+        x = (row[j] + (t.c2p ? t.c2p[r] : 0.f) + (t.p2c ? t.p2c[j * t.rows + r] : 0.f)) * scale;
+      }
       row[j] = j >= L || (t.window >= 0 && std::abs(distance) > t.window) ? -INFINITY : x;
     }
     for (int64_t j = 0; j < Lp; j += LANES) top = load(row + j) > top ? load(row + j) : top;
@@ -130,10 +158,17 @@ KERNEL_TARGET static inline float softmax_row(float* row, const RowTerms& t, int
     ivec lane;
     for (int i = 0; i < LANES; i++) lane[i] = i;
     const int32_t window = static_cast<int32_t>(t.window < 0 ? L : std::min(t.window, L));  // (L < 2^31)
+    const int32_t last = static_cast<int32_t>(L - 1), rows = static_cast<int32_t>(t.rows);
     for (int64_t j = 0; j < Lp; j += LANES) {
-      vec x = load(row + j) * splat(scale);
-      if (t.line) x += load(t.line + j);
       const ivec key = lane + static_cast<int32_t>(j), distance = key - static_cast<int32_t>(t.i);
+      vec x = load(row + j);
+      if (t.rline) {  // (rline holds row 0 past the last key; the p2c rows of keys past L are clamped to L - 1)
+        const ivec r = load_int(t.rline + j);
+        if (t.c2p) x += gather(t.c2p, r);
+        if (t.p2c) x += gather(t.p2c, (key < last ? key : last) * rows + r);
+      }
+      x *= splat(scale);
+      if (t.line) x += load(t.line + j);
       x = key < static_cast<int32_t>(L) && distance <= window && -distance <= window ? x : minus_inf;
       store(row + j, x);
       top = x > top ? x : top;
@@ -179,6 +214,14 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
     }
     line = scratch.line.data();
   }
+  const int32_t* rline = nullptr;
+  if ((a.c2p || a.p2c) && !columns) {
+    // 2L - 1 distances, plus Lp - L + 1 entries of row 0 read (and masked) for the keys past L
+    scratch.rline.assign(2 * L + Lp, 0);
+    for (int64_t t = 0; t < 2 * L - 1; t++) scratch.rline[t] = a.rel_index[(L - 1 - t) + a.rel_center];
+    rline = scratch.rline.data();
+  }
+  const int64_t table_rows = a.tokens;  // (the tables hold every token of the call, per head)
 
   float* s = scratch.scores.data();
   for (int64_t i0 = i_begin; i0 < i_end; i0 += ROWS) {
@@ -192,10 +235,14 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
 
     float inverse_sum[ROWS];
     for (int r = 0; r < rows; r++) {
-      const RowTerms terms{line ? line + (L - 1 - (i0 + r)) : nullptr, columns,
-                           a.relative_bias ? a.relative_bias + h * (2 * a.radius + 1) : nullptr, a.radius, a.window,
-                           i0 + r};
-      inverse_sum[r] = softmax_row(s + r * Lp, terms, L, Lp, a.scale);
+      const int64_t i = i0 + r;
+      const RowTerms row_terms{line ? line + (L - 1 - i) : nullptr, columns,
+                               a.relative_bias ? a.relative_bias + h * (2 * a.radius + 1) : nullptr, a.radius,
+                               a.window, i,
+                               a.c2p ? a.c2p + ((h * table_rows) + row0 + i) * a.rel_rows : nullptr,
+                               a.p2c ? a.p2c + ((h * table_rows) + row0) * a.rel_rows : nullptr, a.rel_rows,
+                               rline ? rline + (L - 1 - i) : nullptr, a.rel_index, a.rel_center};
+      inverse_sum[r] = softmax_row(s + r * Lp, row_terms, L, Lp, a.scale);
     }
 
     for (int64_t c0 = 0; c0 < Dp; c0 += PV_VECS * LANES) {

@@ -90,9 +90,13 @@ void embedding_layer_norm_cuda(std::uintptr_t out, std::uintptr_t input_ids, std
 
 void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int64_t>& seqlens, int64_t heads,
                    int64_t head_dim, std::uintptr_t relative_bias, int64_t radius, int64_t window,
-                   std::uintptr_t columns, double scale, int num_threads, const std::string& isa) {
+                   std::uintptr_t columns, double scale, int num_threads, const std::string& isa, std::uintptr_t c2p,
+                   std::uintptr_t p2c, int64_t rel_rows, std::uintptr_t rel_index, int64_t rel_center) {
   if (heads < 1 || head_dim < 1) throw std::invalid_argument("heads and head_dim must be >= 1");
   if (radius < 0) throw std::invalid_argument("radius must be >= 0");
+  if ((c2p || p2c) && (!rel_index || rel_rows < 1 || rel_center < 0)) {
+    throw std::invalid_argument("c2p and p2c need rel_index, rel_rows >= 1 and rel_center >= 0");
+  }
   int64_t tokens = 0;
   for (int64_t length : seqlens) {
     if (length < 0) throw std::invalid_argument("seqlens must be >= 0");
@@ -103,7 +107,9 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
   const fastbert::AttentionCpuArgs args{reinterpret_cast<float*>(out), reinterpret_cast<const float*>(qkv),
                                         seqlens.data(), static_cast<int64_t>(seqlens.size()), heads, head_dim,
                                         reinterpret_cast<const float*>(relative_bias), radius, window,
-                                        reinterpret_cast<const int32_t*>(columns), static_cast<float>(scale)};
+                                        reinterpret_cast<const int32_t*>(columns), static_cast<float>(scale),
+                                        reinterpret_cast<const float*>(c2p), reinterpret_cast<const float*>(p2c),
+                                        rel_rows, reinterpret_cast<const int32_t*>(rel_index), rel_center, tokens};
   fastbert::attention_cpu(args, num_threads, isa);
 }
 
@@ -212,10 +218,13 @@ PYBIND11_MODULE(_C, m) {
         "Padding-free float32 attention on the CPU (attention_cpu.h): out [T, H, D] from qkv [T, 3, H, D], each "
         "of the len(seqlens) sequences attending to its own rows, plus relative_bias [H, 2 radius + 1] by distance "
         "when not 0, keys within `window` only when >= 0, distances between int32 `columns` [T] when not 0. Raises "
-        "RuntimeError on a CPU without AVX2 and FMA; isa: one of attention_cpu_isas(), '' for the fastest.",
+        "RuntimeError on a CPU without AVX2 and FMA; isa: one of attention_cpu_isas(), '' for the fastest. "
+        "DeBERTa's position terms when c2p or p2c [H, T, rel_rows] is not 0: gathered by the int32 rel_index "
+        "[2 rel_center + 1] of column distances.",
         py::arg("out"), py::arg("qkv"), py::arg("seqlens"), py::arg("heads"), py::arg("head_dim"),
         py::arg("relative_bias"), py::arg("radius"), py::arg("window"), py::arg("columns"), py::arg("scale"),
-        py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
+        py::arg("num_threads"), py::arg("isa") = "", py::arg("c2p") = 0, py::arg("p2c") = 0, py::arg("rel_rows") = 0,
+        py::arg("rel_index") = 0, py::arg("rel_center") = 0, py::call_guard<py::gil_scoped_release>());
 
   m.def("quantize_per_call_cpu", &quantize_per_call_cpu,
         "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), one scale and zero point from "

@@ -140,9 +140,9 @@ def kernel_calls(monkeypatch):
     calls, kernel = [], attention.attention_cpu
     monkeypatch.setattr(cpu, "attention_slower_reason", lambda kernel: None)
 
-    def counted(qkv, seqlens, relative_bias=None, window=None, columns=None, isa=""):
+    def counted(qkv, seqlens, relative_bias=None, window=None, columns=None, isa="", disentangled=None):
         calls.append((tuple(seqlens), relative_bias is not None, window, columns is not None))
-        return kernel(qkv, seqlens, relative_bias, window, columns, isa)
+        return kernel(qkv, seqlens, relative_bias, window, columns, isa, disentangled)
 
     monkeypatch.setattr(attention, "attention_cpu", counted)
     return calls
@@ -211,5 +211,5 @@ def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurem
     assert "slower than torch's SDPA on this CPU at 512 tokens (90.0 vs 100.0 GFLOP/s)" in reasons["attention"][0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        call = attention.Call(8, (), torch.device("cpu"), torch.float32)
+        call = attention.Call(8, False, (), torch.device("cpu"), torch.float32)
         assert dispatch.decide("attention", attention.BACKENDS, call).backend.name == "torch"

@@ -13,6 +13,9 @@ Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_
   torch    SDPA: dense with an additive mask; packed per sequence on the CPU, or scattered into one masked SDPA over
            the padded batch on a GPU. Differentiable: gradients and dropout run here.
 
+DeBERTa's disentangled terms (``ops/disentangled.py``) come as per-head tables that the C++ kernel gathers per score;
+torch's SDPA takes them as an [H, L, L] bias built from the same tables.
+
 Distances (a window, the relative bias) are between columns, places in the padded [B, S] batch, as transformers
 measures them; a packed layout whose mask has holes carries them in ``layout.columns``.
 """
@@ -29,6 +32,8 @@ from ..kernels import attention as triton_attention
 from ..kernels import attention_varlen as triton_varlen
 from ..kernels._common import launch_or_op
 from ..padding import TokenLayout
+from . import disentangled as position_terms
+from .disentangled import Disentangled
 from ..plan import decided
 
 
@@ -59,7 +64,7 @@ def attention_cpu_isas() -> list[str]:
     return [] if attention_cpu_unavailable_reasons() else list(_extension._C.attention_cpu_isas())
 
 
-def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa=""):
+def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa="", c2p=None, p2c=None, index=None):
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be a float32 CPU tensor [tokens, 3, heads, head_dim], got {tuple(qkv.shape)} "
                          f"{qkv.dtype} on {qkv.device}")
@@ -78,47 +83,85 @@ def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa=
                                 or columns.device.type != "cpu"):
         raise ValueError(f"columns must be an int32 CPU tensor [{qkv.shape[0]}], got {tuple(columns.shape)} "
                          f"{columns.dtype} on {columns.device}")
+    _check_position_tables(qkv, seqlens, columns, c2p, p2c, index)
 
 
-def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="") -> torch.Tensor:
-    tensors = [None if t is None else t.detach().contiguous() for t in (qkv, relative_bias, columns)]
-    qkv, relative_bias, columns = tensors
-    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)
+def _check_position_tables(qkv, seqlens, columns, c2p, p2c, index):
+    """DeBERTa's tables (``ops/disentangled.py``): float32 [H, T, R] each, and an int32 index [2C + 1] of rows in
+    [0, R) that reaches every distance between the tokens' columns (a host read: the kernel indexes without checks)."""
+    if c2p is None and p2c is None:
+        if index is not None:
+            raise ValueError("index is given without c2p or p2c")
+        return
+    rows = (c2p if c2p is not None else p2c).shape[-1]
+    for name, table in (("c2p", c2p), ("p2c", p2c)):
+        if table is not None and (table.dtype != torch.float32 or table.device.type != "cpu"
+                                  or table.shape != (qkv.shape[2], qkv.shape[0], rows)):
+            raise ValueError(f"{name} must be a float32 CPU tensor [heads, tokens, rows] = [{qkv.shape[2]}, "
+                             f"{qkv.shape[0]}, {rows}], got {tuple(table.shape)} {table.dtype} on {table.device}")
+    if index is None or index.dtype != torch.int32 or index.dim() != 1 or index.shape[0] % 2 == 0:
+        raise ValueError("index must be an int32 tensor [2 * center + 1] with c2p or p2c, got "
+                         f"{None if index is None else (tuple(index.shape), index.dtype)}")
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
+        raise ValueError(f"index must hold rows in [0, {rows}) of the tables")
+    reach = max(seqlens, default=1) - 1
+    if columns is not None and columns.numel():
+        reach = max(int(chunk.max() - chunk.min()) for chunk in columns.split(list(seqlens)) if chunk.numel())
+    if reach > (index.shape[0] - 1) // 2:
+        raise ValueError(f"index covers distances up to {(index.shape[0] - 1) // 2}, the tokens' columns are "
+                         f"{reach} apart")
+
+
+def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", c2p=None, p2c=None, index=None,
+                          scale=None) -> torch.Tensor:
+    tensors = [None if t is None else t.detach().contiguous() for t in (qkv, relative_bias, columns, c2p, p2c, index)]
+    qkv, relative_bias, columns, c2p, p2c, index = tensors
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa, c2p, p2c, index)
     reasons = attention_cpu_unavailable_reasons()
     if reasons:
         raise RuntimeError(reasons[0])
     heads, head_dim = qkv.shape[2], qkv.shape[3]
     out = qkv.new_empty(qkv.shape[0], heads, head_dim)
+    table = c2p if c2p is not None else p2c
     _extension._C.attention_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), heads, head_dim,
                                 0 if relative_bias is None else relative_bias.data_ptr(),
                                 0 if relative_bias is None else (relative_bias.shape[1] - 1) // 2,
                                 -1 if window is None else window, 0 if columns is None else columns.data_ptr(),
-                                head_dim ** -0.5, torch.get_num_threads(), isa)
+                                head_dim ** -0.5 if scale is None else scale, torch.get_num_threads(), isa,
+                                0 if c2p is None else c2p.data_ptr(), 0 if p2c is None else p2c.data_ptr(),
+                                0 if table is None else table.shape[-1], 0 if index is None else index.data_ptr(),
+                                0 if index is None else (index.shape[0] - 1) // 2)
     return out
 
 
 @torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
 def _attention_cpu_op(qkv: torch.Tensor, seqlens: list[int], relative_bias: torch.Tensor | None,
-                      window: int | None, columns: torch.Tensor | None, isa: str) -> torch.Tensor:
-    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa)
+                      window: int | None, columns: torch.Tensor | None, isa: str, c2p: torch.Tensor | None = None,
+                      p2c: torch.Tensor | None = None, index: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa, c2p, p2c, index, scale)
 
 
 @_attention_cpu_op.register_fake
-def _(qkv, seqlens, relative_bias, window, columns, isa):
-    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)
+def _(qkv, seqlens, relative_bias, window, columns, isa, c2p=None, p2c=None, index=None, scale=None):
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)  # (the tables' values: when it runs)
     return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
 
 
 def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None, window: int | None = None,
-                  columns: torch.Tensor | None = None, isa: str = "") -> torch.Tensor:
+                  columns: torch.Tensor | None = None, isa: str = "",
+                  disentangled: Disentangled | None = None) -> torch.Tensor:
     """Padding-free float32 attention on the CPU, forward only (csrc/attention_cpu.h; reference:
     ``kernels/attention_varlen.py``'s ``attention_varlen_ref``): qkv [T, 3, H, D] -> [T, H, D], sequence b the next
     ``seqlens[b]`` rows. relative_bias: None or float32 [H, 2R + 1] by distance j - i clamped to [-R, R]; window:
     None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
-    columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each). Raises
-    ValueError before the kernel runs when the arguments do not fit."""
+    columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each);
+    disentangled: DeBERTa's position tables over the T tokens (``ops/disentangled.py``), gathered per score, and
+    their scale. Raises ValueError before the kernel runs when the arguments do not fit."""
+    d = disentangled
     return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
-                        isa)
+                        isa, None if d is None else d.c2p, None if d is None else d.p2c,
+                        None if d is None else d.index, None if d is None else d.scale)
 
 
 # --- torch's SDPA -----------------------------------------------------------------------------------------------------
@@ -159,7 +202,8 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, window: int | None = None,
-                    relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+                    relative_bias: torch.Tensor | None = None,
+                    disentangled: Disentangled | None = None) -> torch.Tensor:
     """Dense layout through torch SDPA. heads: [B*S, 3, H, D] -> [B, S, H, D]."""
     q, k, v = heads.view(layout.batch, layout.seq_len, *heads.shape[1:]).permute(2, 0, 3, 1, 4)  # [B, H, S, D] each
     keep, keys = None, layout.key_mask()
@@ -176,37 +220,51 @@ def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, 
         bias = _relative(relative_bias, None, layout.seq_len, q.dtype)[None]
         mask = bias if mask is None else (bias + mask if mask.dtype != torch.bool
                                           else bias.masked_fill(~mask, torch.finfo(q.dtype).min))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # [B, H, S, D]
+    scale = None
+    if disentangled is not None:  # [B, H, S, S], scaled as the scores are
+        scale, bias = disentangled.scale, position_terms.batch_bias(disentangled, layout.batch, layout.seq_len)
+        if bias is not None:
+            bias = bias.to(q.dtype) * scale
+            mask = bias if mask is None else bias + mask
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)  # [B, H, S, D]
     return out.transpose(1, 2)
 
 
 def _attention_varlen_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, window: int | None = None,
-                           relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+                           relative_bias: torch.Tensor | None = None,
+                           disentangled: Disentangled | None = None) -> torch.Tensor:
     """Packed layout on CPU through torch: SDPA on each sequence's rows (views, no padding back to the max).
 
     heads: [T, 3, H, D] -> [T, H, D]. One SDPA per sequence: on CPU each call is large enough that the loop costs
     little, and no FLOP is spent on padding. With a window or a relative bias, each sequence gets a mask from its
-    tokens' ``layout.columns`` [T] (or their offsets).
+    tokens' ``layout.columns`` [T] (or their offsets); DeBERTa's terms come as a bias built from their tables.
     """
     outputs, seqlens = [], list(layout.seqlens)
-    columns = layout.columns if window is not None or relative_bias is not None else None
+    positional = window is not None or relative_bias is not None or disentangled is not None
+    columns = layout.columns if positional else None
     chunks = columns.split(seqlens) if columns is not None else [None] * len(seqlens)
+    start, scale = 0, None if disentangled is None else disentangled.scale
     for chunk, cols in zip(heads.split(seqlens), chunks):
         q, k, v = chunk.permute(1, 2, 0, 3)[:, None]  # [1, H, L, D] each
         length, mask = chunk.shape[0], None
+        if disentangled is not None:
+            tokens, start = slice(start, start + length), start + length
+            offsets = torch.arange(length, device=chunk.device) if cols is None else cols.long()
+            mask = position_terms.bias(disentangled, tokens, offsets)  # [H, L, L] or None
+            mask = None if mask is None else mask.to(q.dtype)[None] * scale
         if window is not None:  # (every query sees itself: no row is fully masked)
             mask = _band(torch.arange(length, device=chunk.device) if cols is None else cols, window)  # [L, L] bool
         if relative_bias is not None:
             bias = _relative(relative_bias, cols, length, q.dtype)[None]  # [1, H, L, L]
             mask = bias if mask is None else bias.masked_fill(~mask, torch.finfo(q.dtype).min)
-        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)[0]
+        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)[0]
                        .transpose(0, 1))
     return torch.cat(outputs) if outputs else heads.new_empty(0, *heads.shape[2:])
 
 
 def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float,
-                                      window: int | None = None,
-                                      relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+                                      window: int | None = None, relative_bias: torch.Tensor | None = None,
+                                      disentangled: Disentangled | None = None) -> torch.Tensor:
     """Packed layout through one masked SDPA over the padded batch (GPU training, or a head dim the Triton kernel
     does not take): heads [T, 3, H, D] -> [T, H, D]. Differentiable: the scatter into the padded buffer and the gather
     back are index ops; every other op of the layer still runs on the T real tokens only."""
@@ -214,7 +272,14 @@ def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, 
     padded = heads.new_zeros(batch * seq_len, *heads.shape[1:]).index_copy(0, layout.indices, heads)
     real = torch.zeros(batch * seq_len, dtype=torch.bool, device=heads.device).index_fill_(0, layout.indices, True)
     dense = TokenLayout(batch, seq_len, key_padding_mask=real.view(batch, seq_len))
-    out = _attention_sdpa(padded, dense, dropout_p, window, relative_bias)  # [B, S, H, D] (by index: by column)
+    if disentangled is not None:  # its tables' rows follow the tokens to their places
+        def scattered(table):
+            return None if table is None else table.new_zeros(table.shape[0], batch * seq_len, table.shape[2]) \
+                .index_copy(1, layout.indices, table)
+
+        disentangled = dataclasses.replace(disentangled, c2p=scattered(disentangled.c2p),
+                                           p2c=scattered(disentangled.p2c))
+    out = _attention_sdpa(padded, dense, dropout_p, window, relative_bias, disentangled)  # [B, S, H, D] (by column)
     return out.reshape(batch * seq_len, *out.shape[2:]).index_select(0, layout.indices)
 
 
@@ -224,6 +289,7 @@ def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, 
 @dataclasses.dataclass(frozen=True)
 class Call:
     head_dim: int
+    disentangled: bool  # DeBERTa's position tables come with the call
     reasons: tuple[str, ...]  # why only torch's differentiable SDPA may run it (gradients, dropout, a trainable bias)
     device: torch.device
     dtype: torch.dtype
@@ -232,12 +298,14 @@ class Call:
 def _triton_why_not(call: Call) -> list[str]:
     if call.reasons:
         return list(call.reasons)
+    if call.disentangled:
+        return ["the Triton attention kernel has no disentangled (DeBERTa) position terms"]
     if call.head_dim > triton_attention.MAX_HEAD_DIM:
         return [f"head_dim {call.head_dim} exceeds the Triton attention kernel's {triton_attention.MAX_HEAD_DIM}"]
     return []
 
 
-def _triton_run(call, heads, layout, dropout_p, window, relative_bias):
+def _triton_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
     columns = layout.columns if window is not None or relative_bias is not None else None
     if layout.packed:
         return triton_varlen.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen, window, columns,
@@ -257,21 +325,24 @@ def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [MeasuredChoice(slower)] if slower else []
 
 
-def _cpu_run(call, heads, layout, dropout_p, window, relative_bias):
-    columns = layout.columns if window is not None or relative_bias is not None else None
+def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
+    positional = window is not None or relative_bias is not None or disentangled is not None
+    columns = layout.columns if positional else None
     if layout.packed:
-        return attention_cpu(heads, layout.seqlens, relative_bias, window, columns)
+        return attention_cpu(heads, layout.seqlens, relative_bias, window, columns, disentangled=disentangled)
     if _every_key_real(layout):  # dense with every token real: batch sequences of seq_len rows each
-        return attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window)
-    return _torch_run(call, heads, layout, dropout_p, window, relative_bias)  # (unpad=False keeps padded rows)
+        return attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window,
+                             disentangled=disentangled)
+    # (unpad=False keeps padded rows)
+    return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled)
 
 
-def _torch_run(call, heads, layout, dropout_p, window, relative_bias):
+def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
     if not layout.packed:
-        return _attention_sdpa(heads, layout, dropout_p, window, relative_bias)
+        return _attention_sdpa(heads, layout, dropout_p, window, relative_bias, disentangled)
     if heads.device.type == "cuda":  # (a loop of small SDPA calls would be host-bound on a GPU)
-        return _attention_packed_via_padded_sdpa(heads, layout, dropout_p, window, relative_bias)
-    return _attention_varlen_sdpa(heads, layout, dropout_p, window, relative_bias)
+        return _attention_packed_via_padded_sdpa(heads, layout, dropout_p, window, relative_bias, disentangled)
+    return _attention_varlen_sdpa(heads, layout, dropout_p, window, relative_bias, disentangled)
 
 
 # (cpu-ext before triton: on a CPU the C++ kernel, and Triton only where asked for, FASTBERT_BACKEND=triton under
@@ -283,28 +354,46 @@ BACKENDS = dispatch.register("attention", [
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     Backend("torch", run=_torch_run),
 ])
+# DeBERTa's attention (the same op with the disentangled tables): torch's path first builds each sequence's [H, L, L]
+# bias from the tables, so the C++ kernel, which gathers them per score, runs wherever it can without a measurement
+# (docs/benchmarks.md has the figures).
+DISENTANGLED_BACKENDS = dispatch.register("disentangled_attention", [
+    Backend("cpu-ext", run=_cpu_run, unavailable=lambda device, dtype: attention_cpu_unavailable_reasons(),
+            why_not=lambda call: list(call.reasons), devices=("cpu",), dtypes=(torch.float32,)),
+    Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
+    Backend("torch", run=_torch_run),
+])
 
 
-def _decide(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: float, head_dim: int):
-    reasons = dispatch.needs_reference(qkv, relative_bias, dropout_p=dropout_p)
-    return dispatch.decide("attention", BACKENDS, Call(head_dim, tuple(reasons), qkv.device, qkv.dtype))
+def _decide(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: float, head_dim: int,
+            disentangled: Disentangled | None):
+    tables = () if disentangled is None else (disentangled.c2p, disentangled.p2c)
+    reasons = dispatch.needs_reference(qkv, relative_bias, *tables, dropout_p=dropout_p)
+    op, backends = ("attention", BACKENDS) if disentangled is None else ("disentangled_attention",
+                                                                         DISENTANGLED_BACKENDS)
+    return dispatch.decide(op, backends, Call(head_dim, disentangled is not None, tuple(reasons), qkv.device,
+                                              qkv.dtype))
 
 
 def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0,
-              window: int | None = None, relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+              window: int | None = None, relative_bias: torch.Tensor | None = None,
+              disentangled: Disentangled | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + bias) v per head, over each sequence's real tokens.
 
     qkv: [rows, 3 * hidden] -> [rows, hidden] (rows: the layout's tokens, then its spare rows, which come out zero).
     window: None, or the largest distance between a query and a key it attends to (ModernBERT's local layers).
     relative_bias: None or float32 [H, 2R + 1], the bias of the distance j - i clamped to [-R, R] (MPNet's relative
     positions, shared by every layer).
+    disentangled: None, or DeBERTa's position terms over the layout's tokens (``ops/disentangled.py``), with the
+    scale they and the scores share.
     """
     tokens, hidden = layout.tokens, qkv.shape[1] // 3
     head_dim = hidden // num_heads
     # (the same decision for every layer with the same arguments; a trainable bias needs the differentiable path too)
     decision = decided(None, ("attention", qkv.requires_grad, relative_bias is not None and relative_bias.requires_grad,
-                              dropout_p, head_dim), _decide, qkv, relative_bias, dropout_p, head_dim)
+                              dropout_p, head_dim, None if disentangled is None else disentangled.requires_grad()),
+                       _decide, qkv, relative_bias, dropout_p, head_dim, disentangled)
     real = qkv[:tokens] if layout.spare_rows else qkv
-    out = decision(real.view(tokens, 3, num_heads, head_dim), layout, dropout_p, window, relative_bias)
+    out = decision(real.view(tokens, 3, num_heads, head_dim), layout, dropout_p, window, relative_bias, disentangled)
     out = out.reshape(tokens, hidden)  # (SDPA's math backend, for dropout and float64, returns [B, H, S, D] memory)
     return torch.cat([out, out.new_zeros(layout.spare_rows, hidden)]) if layout.spare_rows else out

@@ -1,0 +1,102 @@
+"""DeBERTa's disentangled attention terms: what a query adds to its score with a key from their relative position.
+
+    score[i, j] = (q_i . k_j  +  q_i . r_k[δ(i, j)]  +  k_j . r_q[δ(i, j)]) * scale       scale = 1 / sqrt(D * factor)
+                   content      content->position      position->content
+
+r_k and r_q are the relative embeddings' rows projected per head (``pos_key_proj`` / ``pos_query_proj``, or the
+layer's own ``key_proj`` / ``query_proj`` where the model shares them); δ(i, j) is the row of the distance between
+the query's and the key's columns (transformers' log buckets, clamped to the table); ``factor`` counts the active
+terms. Only the rows the batch's distances reach are projected, and their dot products formed as GEMMs:
+
+    c2p   [H, T, R] = q . r_k^T      p2c [H, T, R] = k . r_q^T            (T tokens, R rows; None where inactive)
+    index [2C + 1] int32: the table row of the distance d = column_i - column_j at index[d + C]
+
+The attention kernels (``ops/attention.py``'s backends) gather c2p[h, i, δ] and p2c[h, j, δ] per score: no
+[H, S, S] tensor. ``bias`` below builds that tensor for torch's SDPA, the reference and the differentiable path.
+"""
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Disentangled:
+    c2p: torch.Tensor | None  # [H, T, R]: query token t's dot product with r_k's row r
+    p2c: torch.Tensor | None  # [H, T, R]: key token t's dot product with r_q's row r
+    index: torch.Tensor | None  # int32 [2C + 1]: the row of distance d (query column - key column) at d + C
+    scale: float  # what the sum of the terms is multiplied by (also where no table is active)
+
+    @property
+    def center(self) -> int:
+        return (self.index.shape[0] - 1) // 2
+
+    def requires_grad(self) -> bool:
+        return any(t is not None and t.requires_grad for t in (self.c2p, self.p2c))
+
+
+def relative_index(seq_len: int, buckets: int, max_relative: int, span: int, bucket_fn, device) -> torch.Tensor:
+    """The table row of every distance d = query column - key column in a batch of ``seq_len`` columns: int64
+    [2 seq_len - 1], entry d + seq_len - 1 = clamp(bucket(d) + span, 0, 2 span - 1), as transformers gathers it.
+    ``bucket_fn``: transformers' ``make_log_bucket_position`` (used where ``buckets`` and ``max_relative`` > 0)."""
+    distance = torch.arange(-(seq_len - 1), seq_len, device=device)
+    if buckets > 0 and max_relative > 0:
+        distance = bucket_fn(distance, buckets, max_relative).long()
+    return (distance + span).clamp(0, 2 * span - 1)
+
+
+def tables(qkv: torch.Tensor, pos_key: torch.Tensor | None, pos_query: torch.Tensor | None,
+           index: torch.Tensor | None, scale: float) -> Disentangled:
+    """qkv [T, 3, H, D]; pos_key, pos_query: the R projected rows [R, H * D] (None: that term is inactive);
+    index: int [2C + 1] into those rows -> the per-head GEMMs (differentiable)."""
+    heads, head_dim = qkv.shape[2], qkv.shape[3]
+
+    def per_head(content: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
+        if rows is None:
+            return None
+        rows = rows.view(rows.shape[0], heads, head_dim).permute(1, 2, 0)  # [H, D, R]
+        return torch.matmul(content.transpose(0, 1), rows)  # [H, T, D] @ [H, D, R] -> [H, T, R]
+
+    c2p, p2c = per_head(qkv[:, 0], pos_key), per_head(qkv[:, 1], pos_query)
+    return Disentangled(c2p, p2c, None if c2p is None and p2c is None else index.to(torch.int32), scale)
+
+
+def bias(d: Disentangled, tokens: slice, columns: torch.Tensor) -> torch.Tensor | None:
+    """The position terms of one sequence, unscaled: [H, L, L], entry [h, i, j] = c2p[h, i, δ] + p2c[h, j, δ] with
+    δ = index[column_i - column_j + C] (None where no table is active). tokens: the sequence's rows of the tables;
+    columns: its L columns."""
+    if d.index is None:
+        return None
+    rows = d.index.long()[columns[:, None] - columns[None, :] + d.center]  # [L_q, L_k]
+    total = 0
+    if d.c2p is not None:
+        c2p = d.c2p[:, tokens]  # [H, L, R]
+        total = total + c2p.gather(2, rows.expand(c2p.shape[0], -1, -1))
+    if d.p2c is not None:
+        p2c = d.p2c[:, tokens]  # [H, L, R]: gathered with the transposed rows, then transposed back
+        total = total + p2c.gather(2, rows.t().expand(p2c.shape[0], -1, -1)).transpose(1, 2)
+    return total
+
+
+def batch_bias(d: Disentangled, batch: int, seq_len: int) -> torch.Tensor | None:
+    """``bias`` of every row of a dense [B, S] batch (tables of B * S tokens, columns 0 .. S - 1): [B, H, S, S]."""
+    if d.index is None:
+        return None
+    columns = torch.arange(seq_len, device=d.index.device)
+    return torch.stack([bias(d, slice(b * seq_len, (b + 1) * seq_len), columns) for b in range(batch)])
+
+
+def attention_ref(qkv: torch.Tensor, seqlens, d: Disentangled, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention with these terms, in float64 torch ops: qkv [T, 3, H, D], sequence b the next ``seqlens[b]``
+    rows, columns [T] (None: offsets) -> [T, H, D] float64. What the kernels compute up to float32 rounding."""
+    outputs, start = [], 0
+    for length in seqlens:
+        q, k, v = qkv[start: start + length].double().permute(1, 2, 0, 3)  # [H, L, D] each
+        cols = torch.arange(length) if columns is None else columns[start: start + length].long()
+        terms = bias(dataclasses.replace(d, c2p=None if d.c2p is None else d.c2p.double(),
+                                         p2c=None if d.p2c is None else d.p2c.double()),
+                     slice(start, start + length), cols)
+        scores = (q @ k.transpose(1, 2) + (0 if terms is None else terms)) * d.scale
+        outputs.append((scores.softmax(-1) @ v).transpose(0, 1))
+        start += length
+    return torch.cat(outputs) if outputs else qkv.new_empty(0, *qkv.shape[2:], dtype=torch.float64)
