@@ -80,8 +80,20 @@ class DebertaV2Layer(layers.FusedLayer, hf.DebertaV2Layer):
     pass
 
 
+class ConvLayer(layers.Fused, hf.ConvLayer):
+    def fused(self, embeddings: torch.Tensor, residual: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
+        """LayerNorm(residual + act(conv(embeddings))), the convolution over the padded batch's columns (zeros at
+        padding, as transformers' masked embeddings are): [N, hidden] each -> [N, hidden]."""
+        padded = padding.unpack(embeddings, layout)  # [B, S, hidden]
+        out = self.conv(padded.permute(0, 2, 1)).permute(0, 2, 1)  # [B, S, hidden]
+        out = ACT2FN[self.conv_act](self.dropout(padding.pack(out.contiguous(), layout)))
+        return _zero_padding(norm.layer_norm(residual + out, self.LayerNorm), layout)
+
+
 class DebertaV2Encoder(layers.Fused, hf.DebertaV2Encoder):
-    bypassed = ("layer",)
+    @property
+    def bypassed(self) -> tuple[str, ...]:
+        return ("layer",) if self.conv is None else ("layer", "conv")
 
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions, keep: set[int] | None):
         if self.conv is None:
@@ -89,25 +101,23 @@ class DebertaV2Encoder(layers.Fused, hf.DebertaV2Encoder):
         # v2's convolution joins layer 0's output: the layers run in two stretches around it.
         first, states = layers.run_layers(self, self.layer[:1], x, layout, positions,
                                           None if keep is None else keep & {0})
-        x = self.convolved(x, first, layout)
+        x = self.conv.fused(x, first, layout)
         rest = None if keep is None else {i - 1 for i in keep if i >= 1}
         x, later = layers.run_layers(self, self.layer[1:], x, layout, positions, rest)
         return x, (None if keep is None else states + later)
 
-    def convolved(self, embeddings: torch.Tensor, residual: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
-        """ConvLayer: LayerNorm(residual + act(conv(embeddings))), the convolution over the padded batch's columns
-        (zeros at padding, as transformers' masked embeddings are): [N, hidden] each -> [N, hidden]."""
-        conv = self.conv
-        padded = padding.unpack(embeddings, layout)  # [B, S, hidden]
-        out = conv.conv(padded.permute(0, 2, 1)).permute(0, 2, 1)  # [B, S, hidden]
-        out = ACT2FN[conv.conv_act](conv.dropout(padding.pack(out.contiguous(), layout)))
-        return norm.layer_norm(residual + out, conv.LayerNorm)
-
 
 FUSED_CLASSES = layers.fused_map(DebertaV2Embeddings, DisentangledSelfAttention, DebertaV2SelfOutput,
                                  DebertaV2Attention, DebertaV2Intermediate, DebertaV2Output, DebertaV2Layer,
-                                 DebertaV2Encoder)
-HEAD_CLASSES = {}
+                                 ConvLayer, DebertaV2Encoder)
+
+
+class LegacyDebertaV2PredictionHeadTransform(layers.FusedPredictionHeadTransform,
+                                             hf.LegacyDebertaV2PredictionHeadTransform):
+    """The legacy MLM head's dense -> act -> LayerNorm (config.legacy, transformers' default), fused like BERT's."""
+
+
+HEAD_CLASSES = layers.fused_map(LegacyDebertaV2PredictionHeadTransform)
 
 
 class DebertaV2Model(modeling.FusedModel, hf.DebertaV2Model):
@@ -135,6 +145,9 @@ class DebertaV2Model(modeling.FusedModel, hf.DebertaV2Model):
             x = x + e.token_type_embeddings(indices[1])
         return e.dropout(norm.layer_norm(gemm.linear(x, project), e.LayerNorm))
 
+    def encode(self, x, layout, positions, keep):
+        return super().encode(_zero_padding(x, layout), layout, positions, keep)
+
     def positions(self, indices, layout):
         encoder = self.encoder
         if not encoder.relative_attention:
@@ -145,6 +158,16 @@ class DebertaV2Model(modeling.FusedModel, hf.DebertaV2Model):
         first, last = int(rows.min()), int(rows.max())  # (host values: the index is built on the CPU)
         index = (rows - first).to(device=table.device, dtype=torch.int32)
         return padding.with_columns(layout), Positions(relative_rows=table[first: last + 1], relative_index=index)
+
+
+def _zero_padding(x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
+    """x [B * S, hidden] of a dense layout with zeros in its padding rows, as transformers multiplies the embeddings
+    and the convolution's output by the mask (what a head reading a padding position sees with unpad=False); packed
+    layouts have no padding rows."""
+    if layout.packed or layout.key_padding_mask is None:
+        return x
+    keep = layout.key_padding_mask.reshape(-1, 1).to(x.dtype)  # [B * S, 1], then the spare rows as they are
+    return x * (torch.cat([keep, keep.new_ones(layout.spare_rows, 1)]) if layout.spare_rows else keep)
 
 
 @functools.lru_cache(maxsize=64)

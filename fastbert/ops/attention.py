@@ -221,6 +221,10 @@ def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, 
         mask = bias if mask is None else (bias + mask if mask.dtype != torch.bool
                                           else bias.masked_fill(~mask, torch.finfo(q.dtype).min))
     scale = None
+    if disentangled is not None and keys is not None:
+        # DeBERTa masks queries too ([B, 1, S, S] = mask_i mask_j in transformers): a padding row's scores are all
+        # the dtype's minimum, so it averages every value, as there
+        mask = _additive(keep & keys[:, None, :, None], q.dtype)
     if disentangled is not None:  # [B, H, S, S], scaled as the scores are
         scale, bias = disentangled.scale, position_terms.batch_bias(disentangled, layout.batch, layout.seq_len)
         if bias is not None:
