@@ -1,5 +1,6 @@
 """transformers' *common* model tests (``ModelTesterMixin``, ~300 tests per model class) for the other families
-fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT, ModernBERT and MPNet,
+fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT, ModernBERT, MPNet and
+DeBERTa-v2,
 every head class of each, on tiny configs of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model
 test files are not in its sdist).
 
@@ -156,3 +157,17 @@ class FastbertMPNetCommonTest(ModelTesterMixin, unittest.TestCase):
     def setUp(self):
         # relative-position bias, RoBERTa's positions (padding_idx 1), no token types
         self.model_tester = TinyTester(self, transformers.MPNetConfig, 1, **_BERT_SHAPED, pad_token_id=1)
+
+
+@require_torch
+class FastbertDebertaV2CommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = _classes("DebertaV2")
+
+    def setUp(self):
+        # v3's attention: log buckets (4, up to 8: shorter than the test sequences), shared position projections,
+        # both terms, LayerNorm'd relative embeddings, no absolute positions nor token types
+        self.model_tester = TinyTester(
+            self, transformers.DebertaV2Config, 1, **_BERT_SHAPED, relative_attention=True, position_buckets=4,
+            max_relative_positions=8, pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
+            position_biased_input=False, type_vocab_size=0, pad_token_id=0,
+        )

