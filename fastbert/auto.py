@@ -36,7 +36,8 @@ def _accelerated(model):
     accelerated, left = accelerate(model)
     if not accelerated and not left:
         announce.fallback(f"{', '.join(model_classes(model))} is not a family fastbert accelerates (BERT, RoBERTa, "
-                          "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT): transformers' model is returned unchanged")
+                          "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT, ModernBERT, MPNet, "
+                          "DeBERTa-v2): transformers' model is returned unchanged")
     return model
 
 

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, cpu, dispatch, int8, int8_decisions, threads, validation
+from . import __version__, _extension, announce, cpu, dispatch, int8, int8_decisions, models, threads, validation
 from .ops import attention
 from .optimize import reports as optimize_reports
 
@@ -78,6 +78,8 @@ def info() -> dict:
         "notes": announce.notes(),
         # What fastbert.optimize (and the Auto classes) accelerated in this process, latest last.
         "optimized": optimize_reports(),
+        # The families: fastbert's model class -> "accelerated", or why the installed transformers rules it out.
+        "families": {**{model.__name__: "accelerated" for model in models.MODELS}, **models.UNAVAILABLE},
     }
 
 
@@ -98,6 +100,9 @@ def summary(report: dict) -> str:
                 if report["ext_cuda"] else f"no CUDA kernels ({report['ext_cuda_skipped_because']})")
         lines.append(f"extension fastbert._C: CPU kernels{' with OpenMP' if report['ext_openmp'] else ''}; {cuda}")
     lines.append(f"GPU: {report['device']}" if report["device"] != "cpu" else "GPU: none (torch sees no CUDA device)")
+    lines.append("families: " + ", ".join(name.removesuffix("Model") + ("" if state == "accelerated" else " (no: "
+                                                                        + state + ")")
+                                          for name, state in report["families"].items()))
     lines.append(f"backends for {report['device']} {report['dtype']}"
                  + (f" (FASTBERT_BACKEND={report['requested_backend']})" if report["requested_backend"] != "auto"
                     else "") + ":")

@@ -26,6 +26,7 @@ FAMILIES = {
     "modernbert": ("ModernBertConfig", "ModernBertModel"),
     "nomic-bert": ("NomicBertConfig", "NomicBertModel"),
     "mpnet": ("MPNetConfig", "MPNetModel"),
+    "deberta-v2": ("DebertaV2Config", "DebertaV2Model"),
 }
 
 
@@ -93,6 +94,16 @@ MODELS: dict[str, ModelSpec] = {
                                  intermediate_size=3072, max_position_embeddings=514, pad_token_id=1, bos_token_id=0,
                                  eos_token_id=2, layer_norm_eps=1e-5),
                             max_seq_len=512),
+    "deberta-v3-base": ModelSpec("deberta-v2", "DebertaV2Model, deberta-v3-base sizes: 12 layers, H=768, 12 heads, "
+                                 "I=3072, disentangled attention (256 log buckets up to 512, shared projections, "
+                                 "c2p and p2c), no absolute positions; random weights (transformers runs DeBERTa "
+                                 "eager only: hf-sdpa is its eager attention too)",
+                                 dict(vocab_size=128100, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                      intermediate_size=3072, max_position_embeddings=512, relative_attention=True,
+                                      position_buckets=256, max_relative_positions=-1, pos_att_type=["p2c", "c2p"],
+                                      share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
+                                      type_vocab_size=0, pad_token_id=0, layer_norm_eps=1e-7),
+                                 max_seq_len=512),
     "modernbert-tiny": ModelSpec("modernbert", "ModernBertModel, 3 layers, H=128, 2 heads, I=192, a 8-token window; "
                                  "random weights (smoke tests)",
                                  dict(vocab_size=30528, hidden_size=128, num_hidden_layers=3, num_attention_heads=2,
