@@ -8,7 +8,10 @@ One kernel for two layouts, both reading Q, K, V straight out of the fused QKV p
 Scale 1/sqrt(D). A query whose keys are all masked gets zeros, never NaN.
 Both take an optional window w (ModernBERT's local layers): query i attends only to keys j with |i - j| <= w, and an
 optional relative bias [H, 2R + 1] (MPNet's): the score of key j for query i gains bias[h, clamp(j - i, -R, R) + R];
-i and j are indices in [0, S) (padded), or the tokens' columns (varlen: ``columns``, else their offsets).
+i and j are indices in [0, S) (padded), or the tokens' columns (varlen: ``columns``, else their offsets); and
+optional DeBERTa position tables (``fastbert/ops/disentangled.py``): c2p and p2c [H, T, R] over the layout's tokens
+and an int32 index [2C + 1] by distance, the score of query i and key j being
+scale * (q_i . k_j + c2p[h, i, r] + p2c[h, j, r]) with r = index[column_i - column_j + C].
 """
 
 import math
@@ -33,16 +36,33 @@ def attention_ref(
     window: int | None = None,
     columns: torch.Tensor | None = None,
     relative_bias: torch.Tensor | None = None,
+    c2p: torch.Tensor | None = None,
+    p2c: torch.Tensor | None = None,
+    rel_index: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Padded layout, written out: softmax(q k^T / sqrt(D) + bias + mask) v. A key at index >= key_bounds[b] is masked
     exactly like a False in key_padding_mask; given both, both apply. ``window``: query i sees key j only where
     |column_i - column_j| <= window, columns being [B, S] ``columns`` or the indices 0 .. S - 1. ``relative_bias``
-    [H, 2R + 1]: bias[h, clamp(column_j - column_i, -R, R) + R] added to the scaled score."""
+    [H, 2R + 1]: bias[h, clamp(column_j - column_i, -R, R) + R] added to the scaled score. ``c2p``, ``p2c``
+    [H, B * S, R] with ``rel_index`` [2C + 1]: DeBERTa's terms added to q k^T, all times ``scale`` (the module's
+    docstring)."""
     dtype = qkv.dtype
     if upcast:
         qkv = qkv.float()
     q, k, v = qkv.unbind(dim=2)  # each [B, S, H, D]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    if c2p is not None or p2c is not None:  # [B, H, S, S] gathered from the tables, as ops/disentangled.py's bias
+        batch, seq = qkv.shape[:2]
+        cols = torch.arange(seq, device=qkv.device)
+        rows = rel_index.long()[cols[:, None] - cols[None, :] + (rel_index.shape[0] - 1) // 2]  # [S_q, S_k]
+        for name, table in (("c2p", c2p), ("p2c", p2c)):
+            if table is not None:
+                table = table.to(scores.dtype).view(table.shape[0], batch, seq, -1).transpose(0, 1)  # [B, H, S, R]
+                picked = rows if name == "c2p" else rows.t()
+                term = table.gather(3, picked.expand(batch, table.shape[1], -1, -1))
+                scores = scores + (term if name == "c2p" else term.transpose(2, 3))
+    scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
     keep = key_padding_mask  # [B, S_k] or None
     if key_bounds is not None:
         in_bound = torch.arange(qkv.shape[1], device=qkv.device)[None, :] < key_bounds[:, None]  # [B, S_k]
@@ -105,6 +125,9 @@ def _attention_fwd_kernel(
     CU_SEQLENS,  # pointer to cu_seqlens [B + 1] int32, contiguous (read only if VARLEN)
     COLUMNS,  # pointer to columns [T] int32, contiguous: each token's column (read only if HAS_COLUMNS)
     REL_BIAS,  # pointer to the relative bias [H, 2R + 1] float32, contiguous (read only if HAS_REL_BIAS)
+    C2P,  # pointer to DeBERTa's c2p table [H, T, R], contiguous (read only if HAS_C2P)
+    P2C,  # pointer to DeBERTa's p2c table [H, T, R], contiguous (read only if HAS_P2C)
+    REL_INDEX,  # pointer to the tables' row by distance [2C + 1] int32 (read with HAS_C2P or HAS_P2C)
     stride_qkv_b,  # elements between batches of qkv (padded layout; unused when VARLEN)
     stride_qkv_s,  # elements between tokens of qkv
     stride_qkv_h,  # elements between heads of qkv (the head dim itself has stride 1)
@@ -116,9 +139,12 @@ def _attention_fwd_kernel(
     seq_len,  # S of the padded layout (unused when VARLEN: lengths come from CU_SEQLENS)
     num_heads,  # H
     head_dim,  # D, the real head dim
-    qk_scale,  # log2(e) / sqrt(D)
+    qk_scale,  # log2(e) / sqrt(D), or log2(e) times DeBERTa's scale
     window,  # HAS_WINDOW: a query sees the keys within this distance (in columns) only
     rel_radius,  # HAS_REL_BIAS: R; key j of query i gets REL_BIAS[h, clamp(j - i, -R, R) + R] (columns)
+    table_tokens,  # T: the tables' rows per head (the layout's tokens: B * S padded)
+    table_rows,  # R: the tables' entries per token
+    rel_center,  # C: REL_INDEX[column_i - column_j + C] is the row of that distance
     HAS_MASK: tl.constexpr,  # read MASK (padded layout only)
     HAS_BOUND: tl.constexpr,  # read KEY_BOUNDS and stop each sequence's key loop there (padded layout only)
     EVEN_N: tl.constexpr,  # every key block is full: padded, seq_len % BLOCK_N == 0, no HAS_BOUND (see launcher)
@@ -126,6 +152,10 @@ def _attention_fwd_kernel(
     HAS_WINDOW: tl.constexpr,  # banded attention: skip the key blocks out of reach, mask the keys past ``window``
     HAS_COLUMNS: tl.constexpr,  # (VARLEN) distances between COLUMNS entries, not between offsets
     HAS_REL_BIAS: tl.constexpr,  # add a per-head bias of the distance j - i to the scores (MPNet)
+    HAS_C2P: tl.constexpr,  # add c2p[h, i, index[i - j]] to the unscaled scores (DeBERTa)
+    HAS_P2C: tl.constexpr,  # add p2c[h, j, index[i - j]] to the unscaled scores (DeBERTa)
+    MASK_QUERIES: tl.constexpr,  # (HAS_MASK, no HAS_BOUND) a padding query scores every key 0: it averages them all,
+    # as transformers' DeBERTa does with its [B, 1, S, S] mask
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 operands: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per inner step
@@ -159,6 +189,8 @@ def _attention_fwd_kernel(
     )  # [BLOCK_M, BLOCK_D]
 
     mask_row = MASK + batch.to(tl.int64) * stride_mask_b  # this sequence's key_padding_mask (if HAS_MASK)
+    if MASK_QUERIES:
+        q_real = tl.load(mask_row + offs_m * stride_mask_s, mask=offs_m < seq_len, other=0) != 0  # [BLOCK_M]
     kv_len = seq_len  # keys [0, kv_len) are visited; blocks past it are never loaded
     if HAS_BOUND:
         kv_len = tl.minimum(seq_len, tl.load(KEY_BOUNDS + batch * stride_bound))
@@ -167,13 +199,21 @@ def _attention_fwd_kernel(
         # offsets, so a key out of reach by offset is out of reach by column too)
         kv_start = (tl.maximum(pid_m * BLOCK_M - window, 0) // BLOCK_N) * BLOCK_N
         kv_len = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M + window)
-    if HAS_WINDOW or HAS_REL_BIAS:  # the queries' columns: their places in the padded batch
+    POSITIONAL: tl.constexpr = HAS_WINDOW or HAS_REL_BIAS or HAS_C2P or HAS_P2C
+    if POSITIONAL:  # the queries' columns: their places in the padded batch
         if HAS_COLUMNS:
             columns = COLUMNS + (start if VARLEN else 0)
             q_col = tl.load(columns + offs_m, mask=offs_m < seq_len, other=0)
         else:
             q_col = offs_m
     rel_row = REL_BIAS + head.to(tl.int64) * (2 * rel_radius + 1)  # this head's bias by distance (if HAS_REL_BIAS)
+    # DeBERTa's tables of this head, at this sequence's first token (token b * S + i padded, start + i varlen)
+    if VARLEN:
+        first_token = start
+    else:
+        first_token = batch * seq_len
+    table_offset = (head.to(tl.int64) * table_tokens + first_token) * table_rows
+    q_ok = offs_m < seq_len
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the (unscaled) scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^((s - m_i) c)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running sum of 2^((s - m_i) c) v
@@ -194,7 +234,7 @@ def _attention_fwd_kernel(
             s = tl.where(real[None, :], s, float("-inf"))
         elif not EVEN_N:  # keys past kv_len were loaded as 0, scoring 0: mask them
             s = tl.where(in_bound[None, :], s, float("-inf"))
-        if HAS_WINDOW or HAS_REL_BIAS:
+        if POSITIONAL:
             k_col = keys
             if HAS_COLUMNS:
                 k_col = tl.load(columns + keys, mask=in_bound, other=0)
@@ -202,8 +242,19 @@ def _attention_fwd_kernel(
             if HAS_REL_BIAS:  # (in the unscaled scores' units: bias * sqrt(D), as c multiplies both)
                 nearest = tl.minimum(tl.maximum(distance, -rel_radius), rel_radius) + rel_radius
                 s += tl.load(rel_row + nearest) * (1.4426950408889634 / qk_scale)
+            if HAS_C2P or HAS_P2C:  # gathers from the two tables, by the row of each distance (in q . k units)
+                pair_ok = q_ok[:, None] & in_bound[None, :]
+                row = tl.load(REL_INDEX + rel_center - distance, mask=pair_ok, other=0)  # [BLOCK_M, BLOCK_N]
+                if HAS_C2P:
+                    s += tl.load(C2P + table_offset + offs_m[:, None].to(tl.int64) * table_rows + row, mask=pair_ok,
+                                 other=0.0).to(tl.float32)
+                if HAS_P2C:
+                    s += tl.load(P2C + table_offset + keys[None, :].to(tl.int64) * table_rows + row, mask=pair_ok,
+                                 other=0.0).to(tl.float32)
             if HAS_WINDOW:
                 s = tl.where(tl.abs(distance) <= window, s, float("-inf"))
+        if MASK_QUERIES:
+            s = tl.where(q_real[:, None], s, tl.where(in_bound[None, :], 0.0, float("-inf")))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2((s - m_use[:, None]) * qk_scale)
@@ -261,11 +312,41 @@ def _check_relative_bias(relative_bias: torch.Tensor | None, qkv: torch.Tensor) 
                          f"{relative_bias.device}")
 
 
+def _check_tables(qkv: torch.Tensor, tokens: int, longest: int, c2p, p2c, rel_index, scale) -> None:
+    """DeBERTa's tables: [H, tokens, R] each in qkv's dtype or float32, contiguous, on qkv's device, an int32 index
+    [2C + 1] with C >= longest - 1, and a scale. (The index's values, rows in [0, R), are not read here: that would
+    be a device sync; ``fastbert/ops/disentangled.py`` builds them.)"""
+    if c2p is None and p2c is None:
+        if rel_index is not None or scale is not None:
+            raise ValueError("rel_index and scale come with c2p or p2c")
+        return
+    heads, first = qkv.shape[-2], c2p if c2p is not None else p2c
+    rows = first.shape[-1] if isinstance(first, torch.Tensor) else None
+    for name, table in (("c2p", c2p), ("p2c", p2c)):
+        if table is None:
+            continue
+        if not isinstance(table, torch.Tensor) or table.dtype not in (qkv.dtype, torch.float32):
+            raise TypeError(f"{name} must be a {qkv.dtype} or float32 tensor, got "
+                            f"{getattr(table, 'dtype', type(table).__name__)}")
+        if tuple(table.shape) != (heads, tokens, rows) or not table.is_contiguous() or table.device != qkv.device:
+            raise ValueError(f"{name} must be contiguous [heads, tokens, rows] = [{heads}, {tokens}, {rows}] on "
+                             f"{qkv.device}, got {tuple(table.shape)} on {table.device}")
+    if not isinstance(rel_index, torch.Tensor) or rel_index.dtype != torch.int32 or rel_index.dim() != 1:
+        raise TypeError("rel_index must be an int32 tensor [2 * center + 1] with c2p or p2c")
+    if rel_index.shape[0] % 2 == 0 or (rel_index.shape[0] - 1) // 2 < longest - 1 or rel_index.device != qkv.device:
+        raise ValueError(f"rel_index must be [2 * center + 1] with center >= {longest - 1} (the longest distance) "
+                         f"on {qkv.device}, got {tuple(rel_index.shape)} on {rel_index.device}")
+    if not isinstance(scale, float) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a positive float with the tables, got {scale!r}")
+
+
 def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None,
-                     window: int | None = None, relative_bias: torch.Tensor | None = None):
+                     window: int | None = None, relative_bias: torch.Tensor | None = None, c2p=None, p2c=None,
+                     rel_index=None, scale=None):
     _check_qkv(qkv, "padded")
     _check_window(window)
     _check_relative_bias(relative_bias, qkv)
+    _check_tables(qkv, qkv.shape[0] * qkv.shape[1], qkv.shape[1], c2p, p2c, rel_index, scale)
     if key_bounds is not None:
         if not isinstance(key_bounds, torch.Tensor) or key_bounds.dtype != torch.int32:
             raise TypeError(f"key_bounds must be an int32 tensor, got "
@@ -286,16 +367,21 @@ def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, k
 
 
 def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_seqlen, batch, seq_len, window=None,
-                      columns=None, relative_bias=None):
+                      columns=None, relative_bias=None, c2p=None, p2c=None, rel_index=None, scale=None):
     """The launch both layouts share; their launchers (``_attention_padded_launch`` below, ``attention_varlen.py``'s)
     have checked the arguments and allocated ``out``."""
     varlen = cu_seqlens is not None
     heads, head_dim = qkv.shape[-2], qkv.shape[-1]
     if out.numel() == 0 or batch == 0 or max_seqlen == 0:
         return out
-    config = _attention_config(head_dim, qkv.dtype, qkv.device, window is not None or relative_bias is not None)
+    tables = c2p is not None or p2c is not None
+    config = _attention_config(head_dim, qkv.dtype, qkv.device,
+                               window is not None or relative_bias is not None or tables)
+    table = c2p if c2p is not None else p2c
     q, k, v = qkv.unbind(-3)  # views: same strides, pointers one "3" stride apart
     mask, bounds = key_padding_mask, key_bounds
+    if tables and mask is not None:  # (a padding query averages every key: the loop runs to seq_len)
+        bounds = None
     # Full key blocks need no bound check. 16-bit only: fp32 is the exact path, not the fast one, and its EVEN_N
     # builds spill on sm_90 (ptxas 13.4: 32 bytes per thread at D = 128 "ieee" with a mask; the checked loop: none).
     even_n = qkv.dtype != torch.float32 and not varlen and bounds is None and seq_len % config["BLOCK_N"] == 0
@@ -310,6 +396,9 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
         qkv if cu_seqlens is None else cu_seqlens,
         qkv if columns is None else columns,
         qkv if relative_bias is None else relative_bias,
+        qkv if c2p is None else c2p,
+        qkv if p2c is None else p2c,
+        qkv if rel_index is None else rel_index,
         0 if varlen else qkv.stride(0),
         qkv.stride(-4),
         qkv.stride(-2),
@@ -321,9 +410,12 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
         seq_len,
         heads,
         head_dim,
-        math.log2(math.e) / math.sqrt(head_dim),
+        math.log2(math.e) * (1 / math.sqrt(head_dim) if scale is None else scale),
         0 if window is None else window,
         0 if relative_bias is None else (relative_bias.shape[1] - 1) // 2,
+        0 if table is None else table.shape[1],
+        0 if table is None else table.shape[2],
+        0 if rel_index is None else (rel_index.shape[0] - 1) // 2,
         HAS_MASK=mask is not None,
         HAS_BOUND=bounds is not None,
         EVEN_N=even_n,
@@ -331,38 +423,45 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
         HAS_WINDOW=window is not None,
         HAS_COLUMNS=columns is not None,
         HAS_REL_BIAS=relative_bias is not None,
+        HAS_C2P=c2p is not None,
+        HAS_P2C=p2c is not None,
+        MASK_QUERIES=tables and mask is not None,
         INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
         **config,
     )
     return out
 
 
-def _attention_padded_launch(qkv, key_padding_mask, key_bounds, window=None, relative_bias=None) -> torch.Tensor:
-    _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias)
+def _attention_padded_launch(qkv, key_padding_mask, key_bounds, window=None, relative_bias=None, c2p=None, p2c=None,
+                             rel_index=None, scale=None) -> torch.Tensor:
+    _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p, p2c, rel_index, scale)
     batch, seq_len, _, heads, head_dim = qkv.shape
     out = torch.empty((batch, seq_len, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     return _attention_launch(qkv, out, key_padding_mask, key_bounds, None, seq_len, batch, seq_len, window,
-                             relative_bias=relative_bias)
+                             relative_bias=relative_bias, c2p=c2p, p2c=p2c, rel_index=rel_index, scale=scale)
 
 
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def _attention_op(
     qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None, window: int | None,
-    relative_bias: torch.Tensor | None,
+    relative_bias: torch.Tensor | None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
+    rel_index: torch.Tensor | None = None, scale: float | None = None,
 ) -> torch.Tensor:
-    return _attention_padded_launch(qkv, key_padding_mask, key_bounds, window, relative_bias)
+    return _attention_padded_launch(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p, p2c, rel_index,
+                                    scale)
 
 
 @_attention_op.register_fake
-def _(qkv, key_padding_mask, key_bounds, window, relative_bias):
-    _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias)
+def _(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p=None, p2c=None, rel_index=None, scale=None):
+    _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p, p2c, rel_index, scale)
     batch, seq_len, _, heads, head_dim = qkv.shape
     return qkv.new_empty((batch, seq_len, heads, head_dim))
 
 
 def attention(
     qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None, key_bounds: torch.Tensor | None = None,
-    window: int | None = None, relative_bias: torch.Tensor | None = None,
+    window: int | None = None, relative_bias: torch.Tensor | None = None, c2p: torch.Tensor | None = None,
+    p2c: torch.Tensor | None = None, rel_index: torch.Tensor | None = None, scale: float | None = None,
 ) -> torch.Tensor:
     """Padded layout: qkv [B, S, 3, H, D], key_padding_mask [B, S] bool (True = real token) or None, key_bounds [B]
     int32 or None -> out [B, S, H, D], contiguous, qkv's dtype. Same semantics as ``attention_ref``.
@@ -375,7 +474,8 @@ def attention(
     window: None, or an int >= 0: query i attends only to keys j with |i - j| <= window; the key blocks out of reach
     are never loaded. relative_bias: None, or float32 [H, 2R + 1], contiguous: bias[h, clamp(j - i, -R, R) + R] is
     added to the scaled score of key j for query i (a per-head table of the distance, read as a gather; no [H, S, S]
-    tensor is formed).
+    tensor is formed). c2p, p2c [H, B * S, R], rel_index [2C + 1] int32 and scale: DeBERTa's terms (the module's
+    docstring), gathered per score.
 
     qkv is read through its strides (typically ``gemm_out.view(B, S, 3, H, D)`` of the fused QKV projection
     [B*S, 3*H*D]; only the head dim must have stride 1): no transpose copy. D <= 128, any value. Padded query rows
@@ -383,4 +483,4 @@ def attention(
     fp32 on CUDA multiplies in TF32 only where torch allows it for fp32 matmuls (``allow_tf32``/``fp32_precision``).
     """
     return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask, key_bounds, window,
-                        relative_bias)
+                        relative_bias, c2p, p2c, rel_index, scale)

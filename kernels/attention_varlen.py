@@ -10,33 +10,40 @@ the padded batch (holes in a mask make them differ from offsets), or between off
 import torch
 
 from ._common import check_last_dim_contiguous, launch_or_op
-from .attention import _attention_launch, _check_qkv, _check_relative_bias, _check_window, attention_ref
+from .attention import _attention_launch, _check_qkv, _check_relative_bias, _check_tables, _check_window, attention_ref
 
 
 def attention_varlen_ref(
     qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, upcast: bool = True, window: int | None = None,
-    columns: torch.Tensor | None = None, relative_bias: torch.Tensor | None = None,
+    columns: torch.Tensor | None = None, relative_bias: torch.Tensor | None = None, c2p: torch.Tensor | None = None,
+    p2c: torch.Tensor | None = None, rel_index: torch.Tensor | None = None, scale: float | None = None,
 ) -> torch.Tensor:
     """Varlen layout: each sequence cu_seqlens[i]:cu_seqlens[i+1] attends only to itself (with ``window`` and
-    ``relative_bias`` as ``attention_ref``'s, measured between ``columns`` [T] entries, else offsets)."""
+    ``relative_bias`` as ``attention_ref``'s, measured between ``columns`` [T] entries, else offsets; DeBERTa's
+    tables [H, T, R] by offsets: ``fastbert/ops/disentangled.py``'s ``attention_ref`` measures between columns)."""
     out = torch.empty_like(qkv[:, 0])
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
             cols = None if columns is None else columns[None, start:end].long()
+            rows = slice(start, end)
             out[start:end] = attention_ref(qkv[None, start:end], upcast=upcast, window=window, columns=cols,
-                                           relative_bias=relative_bias)[0]
+                                           relative_bias=relative_bias, c2p=None if c2p is None else c2p[:, rows],
+                                           p2c=None if p2c is None else p2c[:, rows], rel_index=rel_index,
+                                           scale=scale)[0]
     return out
 
 
 def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                             window: int | None = None, columns: torch.Tensor | None = None,
-                            relative_bias: torch.Tensor | None = None) -> None:
+                            relative_bias: torch.Tensor | None = None, c2p=None, p2c=None, rel_index=None,
+                            scale=None) -> None:
     _check_qkv(qkv, "varlen")
     _check_window(window)
     _check_relative_bias(relative_bias, qkv)
+    _check_tables(qkv, qkv.shape[0], max_seqlen if isinstance(max_seqlen, int) else 0, c2p, p2c, rel_index, scale)
     if columns is not None:
-        if window is None and relative_bias is None:
+        if window is None and relative_bias is None and c2p is None and p2c is None:
             raise ValueError("columns are the tokens' positions for a window or a relative bias: pass one of them")
         if not isinstance(columns, torch.Tensor) or columns.dtype != torch.int32:
             raise TypeError(f"columns must be an int32 tensor, got {getattr(columns, 'dtype', type(columns).__name__)}")
@@ -57,36 +64,43 @@ def _check_attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seq
 
 
 def _attention_varlen_launch(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window=None,
-                             columns=None, relative_bias=None) -> torch.Tensor:
-    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
+                             columns=None, relative_bias=None, c2p=None, p2c=None, rel_index=None,
+                             scale=None) -> torch.Tensor:
+    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias, c2p, p2c, rel_index, scale)
     tokens, _, heads, head_dim = qkv.shape
     out = torch.empty((tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     return _attention_launch(qkv, out, None, None, cu_seqlens, max_seqlen, cu_seqlens.shape[0] - 1, 0, window,
-                             columns, relative_bias)
+                             columns, relative_bias, c2p, p2c, rel_index, scale)
 
 
 @torch.library.custom_op("fastbert::attention_varlen", mutates_args=())
 def _attention_varlen_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None,
-                         columns: torch.Tensor | None, relative_bias: torch.Tensor | None) -> torch.Tensor:
-    return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
+                         columns: torch.Tensor | None, relative_bias: torch.Tensor | None,
+                         c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
+                         rel_index: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    return _attention_varlen_launch(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias, c2p, p2c, rel_index,
+                                    scale)
 
 
 @_attention_varlen_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias):
-    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias)
+def _(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias, c2p=None, p2c=None, rel_index=None, scale=None):
+    _check_attention_varlen(qkv, cu_seqlens, max_seqlen, window, columns, relative_bias, c2p, p2c, rel_index, scale)
     tokens, _, heads, head_dim = qkv.shape
     return qkv.new_empty((tokens, heads, head_dim))
 
 
 def attention_varlen(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None = None,
-                     columns: torch.Tensor | None = None, relative_bias: torch.Tensor | None = None) -> torch.Tensor:
+                     columns: torch.Tensor | None = None, relative_bias: torch.Tensor | None = None,
+                     c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
+                     rel_index: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Packed layout: qkv [T, 3, H, D] (strided like ``attention``), cu_seqlens [B + 1] int32, contiguous, with
     cu_seqlens[0] = 0, cu_seqlens[-1] = T, non-decreasing (empty sequences allowed), max_seqlen >= the longest
     sequence (not checked: that would need a device sync; rows past max_seqlen would be left unwritten)
     -> out [T, H, D], contiguous. Same semantics as ``attention_varlen_ref``.
     window, relative_bias: as ``attention``'s, the distance measured between ``columns`` (int32 [T], contiguous,
     non-decreasing within each sequence: the tokens' columns in the padded batch, which holes in a mask make differ
-    from their offsets) or, without them, between offsets in the sequence.
+    from their offsets) or, without them, between offsets in the sequence. c2p, p2c, rel_index, scale: DeBERTa's
+    tables over the T tokens (``attention``'s), the distances measured the same way.
     """
     return launch_or_op(_attention_varlen_launch, _attention_varlen_op, qkv, cu_seqlens, max_seqlen, window, columns,
-                        relative_bias)
+                        relative_bias, c2p, p2c, rel_index, scale)

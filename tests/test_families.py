@@ -413,8 +413,7 @@ def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, f
     assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
     layers = family.config.num_hidden_layers
     expected = {"embedding_layer_norm": 1, "attention_varlen": layers, "layer_norm": 2 * layers}
-    if family.fast.__name__ == "DebertaV2Model":  # (no disentangled terms in the Triton kernel yet: torch's, said)
-        del expected["attention_varlen"]
+    if family.fast.__name__ == "DebertaV2Model":
         expected["layer_norm"] += bool(getattr(family.config, "conv_kernel_size", 0))  # (ConvLayer's)
     if type(family.config).__name__ in ("GteConfig", "NomicBertConfig", "ModernBertConfig"):  # rotary q/k, GLU MLP
         expected.update(rotary_=layers, glu=layers)  # (ModernBERT: 2 LayerNorms per layer too, with final_norm for

@@ -302,20 +302,22 @@ class Call:
 def _triton_why_not(call: Call) -> list[str]:
     if call.reasons:
         return list(call.reasons)
-    if call.disentangled:
-        return ["the Triton attention kernel has no disentangled (DeBERTa) position terms"]
     if call.head_dim > triton_attention.MAX_HEAD_DIM:
         return [f"head_dim {call.head_dim} exceeds the Triton attention kernel's {triton_attention.MAX_HEAD_DIM}"]
     return []
 
 
 def _triton_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
-    columns = layout.columns if window is not None or relative_bias is not None else None
+    positional = window is not None or relative_bias is not None or disentangled is not None
+    columns = layout.columns if positional else None
+    d = disentangled
+    tables = () if d is None else (d.c2p, d.p2c, d.index, d.scale)
     if layout.packed:
         return triton_varlen.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen, window, columns,
-                                                 relative_bias)
+                                              relative_bias, *tables)
     padded = heads.view(layout.batch, layout.seq_len, *heads.shape[1:])
-    return triton_attention.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias)
+    return triton_attention.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias,
+                                      *tables)
 
 
 def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
