@@ -8,7 +8,7 @@
 #                       included), kernels-fp16 (bench_kernels.py), sweep-fp16-s128 and sweep-fp16-s512 (bench.py)
 #   --part 2            for the same machine right after part 1 (it installs only where fastbert._C does not
 #                       import): kernels-bf16, sweep-bf16-s128, sweep-bf16-s512, sweep-families (gte-base,
-#                       modernbert-base, mpnet-base, fp16), compile (hf-compile vs fastbert)
+#                       modernbert-base, mpnet-base, deberta-v3-base, fp16), compile (hf-compile vs fastbert)
 # Each part leaves two files in $OUT, rewritten after every step so that a kill keeps what ran:
 #   part 1: gpu_check.tar.gz, summary.txt        part 2: gpu_check-part2.tar.gz, summary-part2.txt
 # The archive holds a folder of its name: env.txt, steps.txt, logs/<step>.log, tests/junit.xml, profile/profile.txt,
@@ -251,8 +251,9 @@ if [ "$mode" = gpu ]; then
   s128=(--batch 1,8,64 --seq-len 128)
   s512=(--batch 32 --seq-len 512 --append)
   # the families added with transformers 5 at their checkpoints' widths, fp16: full rows and half padding, 512
-  # tokens (past ModernBERT's 128-token window and MPNet's 128-token bias saturation)
-  families_args=(--device cuda --models gte-base,modernbert-base,mpnet-base --providers hf-sdpa,fastbert --dtype fp16
+  # tokens (past ModernBERT's 128-token window, MPNet's 128-token bias saturation and DeBERTa's log buckets)
+  families_args=(--device cuda --models gte-base,modernbert-base,mpnet-base,deberta-v3-base --providers hf-sdpa,fastbert
+                 --dtype fp16
                  --batch 8 --seq-len 512 --reps 5 --gpu-rep-ms 50 "${sweep_common[@]}" --append)
 else
   pip_install=(echo "dry run, nothing built; on the GPU: PIP_NO_INDEX=1 pip install -v --no-build-isolation"
