@@ -253,8 +253,7 @@ if [ "$mode" = gpu ]; then
   # the families added with transformers 5 at their checkpoints' widths, fp16: full rows and half padding, 512
   # tokens (past ModernBERT's 128-token window, MPNet's 128-token bias saturation and DeBERTa's log buckets)
   families_args=(--device cuda --models gte-base,modernbert-base,mpnet-base,deberta-v3-base --providers hf-sdpa,fastbert
-                 --dtype fp16
-                 --batch 8 --seq-len 512 --reps 5 --gpu-rep-ms 50 "${sweep_common[@]}" --append)
+                 --dtype fp16 --batch 8 --seq-len 512 --reps 5 --gpu-rep-ms 50 "${sweep_common[@]}" --append)
 else
   pip_install=(echo "dry run, nothing built; on the GPU: PIP_NO_INDEX=1 pip install -v --no-build-isolation"
                "--no-deps -e .")
