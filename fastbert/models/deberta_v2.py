@@ -154,9 +154,8 @@ class DebertaV2Model(modeling.FusedModel, hf.DebertaV2Model):
             return layout, Positions()
         table = encoder.get_rel_embedding()  # [2 span, hidden], LayerNorm'd where norm_rel_ebd says so
         span = table.shape[0] // 2
-        rows = _relative_index(max(layout.seq_len, 1), encoder.position_buckets, encoder.max_relative_positions, span)
-        first, last = int(rows.min()), int(rows.max())  # (host values: the index is built on the CPU)
-        index = (rows - first).to(device=table.device, dtype=torch.int32)
+        first, last, index = _relative_index(max(layout.seq_len, 1), encoder.position_buckets,
+                                             encoder.max_relative_positions, span, table.device)
         return padding.with_columns(layout), Positions(relative_rows=table[first: last + 1], relative_index=index)
 
 
@@ -171,6 +170,11 @@ def _zero_padding(x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _relative_index(seq_len: int, buckets: int, max_relative: int, span: int) -> torch.Tensor:
-    """``disentangled.relative_index`` with transformers' bucket function, on the CPU, once per shape."""
-    return disentangled.relative_index(seq_len, buckets, max_relative, span, hf.make_log_bucket_position, "cpu")
+def _relative_index(seq_len: int, buckets: int, max_relative: int, span: int, device: torch.device):
+    """(first row, last row, int32 index of the rows from the first) of ``disentangled.relative_index`` with
+    transformers' bucket function: built on the CPU (host values, no device read) once per shape and device, so a
+    CUDA graph captured after the warm-up finds it there and copies nothing."""
+    with torch.inference_mode(False):  # (a normal tensor: usable inside and outside inference mode)
+        rows = disentangled.relative_index(seq_len, buckets, max_relative, span, hf.make_log_bucket_position, "cpu")
+        first = int(rows.min())
+        return first, int(rows.max()), (rows - first).to(device=device, dtype=torch.int32)
