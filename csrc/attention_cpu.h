@@ -28,13 +28,13 @@ struct AttentionCpuArgs {
   const int32_t* columns;       // [T] the tokens' columns, distances between them; null: their offsets
   float scale;                  // 1 / sqrt(D), as the model uses it
   // DeBERTa's disentangled terms (fastbert/ops/disentangled.py), null for none: the score of query i and key j is
-  // scale * (q_i . k_j + c2p[h, i, r] + p2c[h, j, r]) with r = rel_index[column_i - column_j + rel_center].
-  const float* c2p;             // [H, T, R] contiguous, or null
-  const float* p2c;             // [H, T, R] contiguous, or null
+  // scale * (q_i . k_j + q_i . pos_key[r, h] + k_j . pos_query[r, h]) with r = rel_index[column_i - column_j +
+  // rel_center]; each task forms the dot products with the rows its sequence's distances reach, in cache.
+  const float* pos_key;         // [R, H, D] contiguous (the relative rows through the key projection), or null
+  const float* pos_query;       // [R, H, D] contiguous (through the query projection), or null
   int64_t rel_rows;             // R
   const int32_t* rel_index;     // [2 rel_center + 1], rows in [0, R); non-null where c2p or p2c is
   int64_t rel_center;           // reaches every distance between a sequence's columns
-  int64_t tokens;               // T = sum of seqlens
 };
 
 // The instruction sets the kernel can run with here, fastest first: "avx512", "avx2"; none when this CPU or build

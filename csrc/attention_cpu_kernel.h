@@ -10,9 +10,12 @@
 //   kt [D, Lp]  = k^T, zero past L      vp [L, Dp] = v, zero past D      (Lp, Dp: L, D rounded up to LANES)
 //   line[t]     = bias[h, clamp(t - (L - 1), -R, R) + R]: row i's bias for key j is line[j - i + L - 1]
 //                 (a sequence with holes reads the table by its columns instead, key by key)
-//   rline[t]    = rel_index[(L - 1 - t) + center] (DeBERTa): row i's table row for key j is rline[j - i + L - 1]
+//   DeBERTa: the rows [first, first + N) of pos_key / pos_query that the sequence's distances reach, transposed like
+//   kt ([D, Np], Np = N rounded up to LANES); p2c [L, Np] = k . rqt (every key's dot products with them), and
+//   rline[t]    = rel_index[(L - 1 - t) + center] - first: row i's row for key j is rline[j - i + L - 1]
 //   per ROWS queries: s = q kt (registers -> [ROWS, Lp] in L1), p = exp(scale s + bias - max) row by row (DeBERTa:
-//                     exp(scale (s + c2p[i, r] + p2c[j, r]) - max), the two terms gathered by r),
+//                     c2p = q rkt [ROWS, Np] beside it, exp(scale (s + c2p[i, r] + p2c[j, r]) - max), the two
+//                     terms gathered by r),
 //                     out = (p vp) / sum(p), first D lanes stored.
 // Each query's whole row of scores is kept (ROWS rows of Lp floats: L1 up to about a thousand keys, L2 beyond), so
 // the softmax is exact in one pass, with no running rescale.
@@ -74,7 +77,7 @@ KERNEL_TARGET static inline vec exp_nonpositive(vec x) {
 }
 
 struct Scratch {
-  std::vector<float> kt, vp, line, scores;
+  std::vector<float> kt, vp, line, scores, rkt, rqt, c2p, p2c;
   std::vector<int32_t> rline;
 };
 
@@ -96,6 +99,14 @@ KERNEL_TARGET static inline void score_tile(const float* const* q, const float* 
   }
   for (int r = 0; r < ROWS; r++)
     for (int c = 0; c < VECS; c++) store(s + r * Lp + j0 + c * LANES, acc[r][c]);
+}
+
+// s[r, :Np] = rows[r] . kt[:, :Np] for the ROWS rows (each D floats) and the Np columns of kt (a multiple of LANES).
+KERNEL_TARGET static inline void score_rows(const float* const* rows, const float* kt, int64_t D, int64_t Np,
+                                            float* s) {
+  int64_t j0 = 0;
+  for (; j0 + QK_VECS * LANES <= Np; j0 += QK_VECS * LANES) score_tile<QK_VECS>(rows, kt, D, Np, j0, s);
+  for (; j0 < Np; j0 += LANES) score_tile<1>(rows, kt, D, Np, j0, s);
 }
 
 // out[r, c0 : c0 + VECS * LANES] = sum_j p[r, j] vp[j, c0 : ...] for the ROWS rows of p (row stride Lp), L keys.
@@ -126,13 +137,13 @@ struct RowTerms {
   int64_t radius, window;  // window < 0: none
   int64_t i;
   // DeBERTa: row i's c2p [rows] and the sequence's p2c [L, rows] for this head (either may be null), with row i's
-  // slice of rline (consecutive columns) or the index by distance (read with columns)
+  // slice of rline (consecutive columns) or the index by distance less ``first`` (read with columns)
   const float* c2p;
   const float* p2c;
   int64_t rows;
   const int32_t* rline;
   const int32_t* index;
-  int64_t center;
+  int64_t center, first;
 };
 
 KERNEL_TARGET static inline bool disentangled(const RowTerms& t) { return t.c2p || t.p2c; }
@@ -148,7 +159,7 @@ KERNEL_TARGET static inline float softmax_row(float* row, const RowTerms& t, int
       float x = row[j] * scale;
       if (t.table) x += t.table[std::min(std::max(distance, -t.radius), t.radius) + t.radius];
       if (disentangled(t) && j < L) {
-        const int32_t r = t.index[t.center - distance];  // (the index is by query column - key column)
+        const int64_t r = t.index[t.center - distance] - t.first;  // (by query column - key column)
         x = (row[j] + (t.c2p ? t.c2p[r] : 0.f) + (t.p2c ? t.p2c[j * t.rows + r] : 0.f)) * scale;
       }
       row[j] = j >= L || (t.window >= 0 && std::abs(distance) > t.window) ? -INFINITY : x;
@@ -214,14 +225,49 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
     }
     line = scratch.line.data();
   }
+  // DeBERTa: the rows this sequence's distances reach, [first, first + N), and every key's dot products with r_q's
+  const bool terms = a.pos_key || a.pos_query;
+  int64_t first = 0, Np = 0;
   const int32_t* rline = nullptr;
-  if ((a.c2p || a.p2c) && !columns) {
-    // 2L - 1 distances, plus Lp - L + 1 entries of row 0 read (and masked) for the keys past L
-    scratch.rline.assign(2 * L + Lp, 0);
-    for (int64_t t = 0; t < 2 * L - 1; t++) scratch.rline[t] = a.rel_index[(L - 1 - t) + a.rel_center];
-    rline = scratch.rline.data();
+  float* c2p = nullptr;
+  float* p2c = nullptr;
+  if (terms) {
+    int64_t reach = L - 1;  // the largest distance between two of its columns
+    if (columns) reach = *std::max_element(columns, columns + L) - *std::min_element(columns, columns + L);
+    int64_t last = first = a.rel_index[a.rel_center];
+    for (int64_t d = -reach; d <= reach; d++) {
+      first = std::min<int64_t>(first, a.rel_index[a.rel_center + d]);
+      last = std::max<int64_t>(last, a.rel_index[a.rel_center + d]);
+    }
+    Np = (last - first + 1 + LANES - 1) / LANES * LANES;
+    const auto transposed = [&](const float* rows, std::vector<float>& out) {  // rows [R, H, D] -> [D, Np] of head h
+      out.assign(D * Np, 0.f);
+      for (int64_t r = first; r <= last; r++)
+        for (int64_t d = 0; d < D; d++) out[d * Np + (r - first)] = rows[(r * H + h) * D + d];
+    };
+    if (a.pos_key) {
+      transposed(a.pos_key, scratch.rkt);
+      scratch.c2p.resize(ROWS * Np);
+      c2p = scratch.c2p.data();
+    }
+    if (a.pos_query) {
+      transposed(a.pos_query, scratch.rqt);
+      scratch.p2c.resize((L + ROWS) * Np);  // (a last tile of fewer than ROWS keys writes copies past L)
+      p2c = scratch.p2c.data();
+      for (int64_t j0 = 0; j0 < L; j0 += ROWS) {
+        const float* key[ROWS];
+        for (int r = 0; r < ROWS; r++) key[r] = k + std::min<int64_t>(j0 + r, L - 1) * qkv_stride;
+        score_rows(key, scratch.rqt.data(), D, Np, p2c + j0 * Np);
+      }
+    }
+    if (!columns) {
+      // 2L - 1 distances, plus Lp - L + 1 entries of row 0 read (and masked) for the keys past L
+      scratch.rline.assign(2 * L + Lp, 0);
+      for (int64_t t = 0; t < 2 * L - 1; t++)
+        scratch.rline[t] = static_cast<int32_t>(a.rel_index[(L - 1 - t) + a.rel_center] - first);
+      rline = scratch.rline.data();
+    }
   }
-  const int64_t table_rows = a.tokens;  // (the tables hold every token of the call, per head)
 
   float* s = scratch.scores.data();
   for (int64_t i0 = i_begin; i0 < i_end; i0 += ROWS) {
@@ -229,9 +275,8 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
     const float* query[ROWS];
     for (int r = 0; r < ROWS; r++) query[r] = q + (i0 + std::min(r, rows - 1)) * qkv_stride;  // spare rows: a copy
 
-    int64_t j0 = 0;
-    for (; j0 + QK_VECS * LANES <= Lp; j0 += QK_VECS * LANES) score_tile<QK_VECS>(query, kt, D, Lp, j0, s);
-    for (; j0 < Lp; j0 += LANES) score_tile<1>(query, kt, D, Lp, j0, s);
+    score_rows(query, kt, D, Lp, s);
+    if (c2p) score_rows(query, scratch.rkt.data(), D, Np, c2p);
 
     float inverse_sum[ROWS];
     for (int r = 0; r < rows; r++) {
@@ -239,9 +284,8 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
       const RowTerms row_terms{line ? line + (L - 1 - i) : nullptr, columns,
                                a.relative_bias ? a.relative_bias + h * (2 * a.radius + 1) : nullptr, a.radius,
                                a.window, i,
-                               a.c2p ? a.c2p + ((h * table_rows) + row0 + i) * a.rel_rows : nullptr,
-                               a.p2c ? a.p2c + ((h * table_rows) + row0) * a.rel_rows : nullptr, a.rel_rows,
-                               rline ? rline + (L - 1 - i) : nullptr, a.rel_index, a.rel_center};
+                               c2p ? c2p + r * Np : nullptr, p2c, Np, rline ? rline + (L - 1 - i) : nullptr,
+                               a.rel_index, a.rel_center, first};
       inverse_sum[r] = softmax_row(s + r * Lp, row_terms, L, Lp, a.scale);
     }
 

@@ -90,12 +90,13 @@ void embedding_layer_norm_cuda(std::uintptr_t out, std::uintptr_t input_ids, std
 
 void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int64_t>& seqlens, int64_t heads,
                    int64_t head_dim, std::uintptr_t relative_bias, int64_t radius, int64_t window,
-                   std::uintptr_t columns, double scale, int num_threads, const std::string& isa, std::uintptr_t c2p,
-                   std::uintptr_t p2c, int64_t rel_rows, std::uintptr_t rel_index, int64_t rel_center) {
+                   std::uintptr_t columns, double scale, int num_threads, const std::string& isa,
+                   std::uintptr_t pos_key, std::uintptr_t pos_query, int64_t rel_rows, std::uintptr_t rel_index,
+                   int64_t rel_center) {
   if (heads < 1 || head_dim < 1) throw std::invalid_argument("heads and head_dim must be >= 1");
   if (radius < 0) throw std::invalid_argument("radius must be >= 0");
-  if ((c2p || p2c) && (!rel_index || rel_rows < 1 || rel_center < 0)) {
-    throw std::invalid_argument("c2p and p2c need rel_index, rel_rows >= 1 and rel_center >= 0");
+  if ((pos_key || pos_query) && (!rel_index || rel_rows < 1 || rel_center < 0)) {
+    throw std::invalid_argument("pos_key and pos_query need rel_index, rel_rows >= 1 and rel_center >= 0");
   }
   int64_t tokens = 0;
   for (int64_t length : seqlens) {
@@ -108,8 +109,8 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
                                         seqlens.data(), static_cast<int64_t>(seqlens.size()), heads, head_dim,
                                         reinterpret_cast<const float*>(relative_bias), radius, window,
                                         reinterpret_cast<const int32_t*>(columns), static_cast<float>(scale),
-                                        reinterpret_cast<const float*>(c2p), reinterpret_cast<const float*>(p2c),
-                                        rel_rows, reinterpret_cast<const int32_t*>(rel_index), rel_center, tokens};
+                                        reinterpret_cast<const float*>(pos_key), reinterpret_cast<const float*>(pos_query),
+                                        rel_rows, reinterpret_cast<const int32_t*>(rel_index), rel_center};
   fastbert::attention_cpu(args, num_threads, isa);
 }
 
@@ -219,11 +220,11 @@ PYBIND11_MODULE(_C, m) {
         "of the len(seqlens) sequences attending to its own rows, plus relative_bias [H, 2 radius + 1] by distance "
         "when not 0, keys within `window` only when >= 0, distances between int32 `columns` [T] when not 0. Raises "
         "RuntimeError on a CPU without AVX2 and FMA; isa: one of attention_cpu_isas(), '' for the fastest. "
-        "DeBERTa's position terms when c2p or p2c [H, T, rel_rows] is not 0: gathered by the int32 rel_index "
-        "[2 rel_center + 1] of column distances.",
+        "DeBERTa's position terms when pos_key or pos_query [rel_rows, H, D] is not 0, their rows picked by the "
+        "int32 rel_index [2 rel_center + 1] of column distances.",
         py::arg("out"), py::arg("qkv"), py::arg("seqlens"), py::arg("heads"), py::arg("head_dim"),
         py::arg("relative_bias"), py::arg("radius"), py::arg("window"), py::arg("columns"), py::arg("scale"),
-        py::arg("num_threads"), py::arg("isa") = "", py::arg("c2p") = 0, py::arg("p2c") = 0, py::arg("rel_rows") = 0,
+        py::arg("num_threads"), py::arg("isa") = "", py::arg("pos_key") = 0, py::arg("pos_query") = 0, py::arg("rel_rows") = 0,
         py::arg("rel_index") = 0, py::arg("rel_center") = 0, py::call_guard<py::gil_scoped_release>());
 
   m.def("quantize_per_call_cpu", &quantize_per_call_cpu,

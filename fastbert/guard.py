@@ -62,7 +62,11 @@ def layers_of(encoder: modeling.FusedModel) -> list[_Layer]:
         if isinstance(module, nn.ModuleList) and len(module) == count:
             layers = []
             for i, layer in enumerate(module):
-                linears = [m for m in layer.modules() if type(m) is nn.Linear]
+                # (a Linear the fused path runs on other rows than the tokens, in float32, is not chosen: DeBERTa's
+                # position projections, ``Fused.float32_linears``)
+                float32 = {id(getattr(m, name, None)) for m in layer.modules()
+                           for name in getattr(m, "float32_linears", ())}
+                linears = [m for m in layer.modules() if type(m) is nn.Linear and id(m) not in float32]
                 mlp_out = [m for m in linears if m.in_features != hidden]
                 layers.append(_Layer(f"{type(encoder).__name__}.{name}.{i}", linears, mlp_out))
             return layers

@@ -38,6 +38,9 @@ class Fused:
     """
 
     bypassed: tuple[str, ...] = ()
+    # Child Linears the fused path calls on rows that are not tokens (DeBERTa's position projections, on the relative
+    # embeddings): ``fastbert.quantize`` leaves them float32.
+    float32_linears: tuple[str, ...] = ()
 
     def _apply(self, *args, **kwargs):
         derived.clear(self)

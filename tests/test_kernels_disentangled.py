@@ -32,7 +32,7 @@ def tables(tokens, center, which, dtype, device, seed=0):
 
 
 def packed_reference(qkv, lengths, c2p, p2c, index, columns=None, dtype=torch.float32):
-    terms = disentangled.Disentangled(None if c2p is None else c2p.cpu().to(dtype),
+    terms = disentangled.Tables(None if c2p is None else c2p.cpu().to(dtype),
                                       None if p2c is None else p2c.cpu().to(dtype), index.cpu(), SCALE)
     if dtype == torch.float64:
         return disentangled.attention_ref(qkv.cpu(), lengths, terms, None if columns is None else columns.cpu())
@@ -106,8 +106,8 @@ def test_bad_tables_raise(device):
         attention_varlen(qkv, cu_seqlens, 10, None, None, None, c2p, p2c, index[1:-1], SCALE)
     with pytest.raises(TypeError, match="rel_index must be an int32"):
         attention_varlen(qkv, cu_seqlens, 10, None, None, None, c2p, p2c, index.long(), SCALE)
-    with pytest.raises(ValueError, match="scale must be a positive float"):
-        attention_varlen(qkv, cu_seqlens, 10, None, None, None, c2p, p2c, index, None)
+    with pytest.raises(ValueError, match="scale must be None or a positive float"):
+        attention_varlen(qkv, cu_seqlens, 10, None, None, None, c2p, p2c, index, -1.0)
 
 
 def test_registered_op(device):

@@ -33,28 +33,28 @@ class DebertaV2Embeddings(layers.FusedEmbeddings, hf.DebertaV2Embeddings):
 
 
 class DisentangledSelfAttention(layers.Fused, hf.DisentangledSelfAttention):
+    float32_linears = ("pos_key_proj", "pos_query_proj")  # (on the relative rows: int8 applies to tokens only)
+
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
         """[N, hidden] -> attention context [N, all_head_size], before the output dense."""
         qkv = stacked(x, (self.query_proj, self.key_proj, self.value_proj))  # [N, 3 * all_head_size]
         p = self.dropout.p if self.training else 0.0
-        terms = self.position_terms(qkv[: layout.tokens], positions)
-        return attention(qkv, layout, self.num_attention_heads, p, disentangled=terms)
+        return attention(qkv, layout, self.num_attention_heads, p, disentangled=self.position_terms(positions))
 
-    def position_terms(self, qkv: torch.Tensor, positions: Positions) -> disentangled.Disentangled:
-        """This layer's c2p and p2c tables over the tokens of ``qkv`` [T, 3 * all_head_size], with transformers'
-        scale: 1 / sqrt(head_dim * (1 + the number of active terms))."""
+    def position_terms(self, positions: Positions) -> disentangled.Disentangled:
+        """This layer's projections of the relative rows (c2p's through the key projection, p2c's through the query
+        one) with transformers' scale: 1 / sqrt(head_dim * (1 + the number of active terms))."""
         types = self.pos_att_type
         factor = 1 + ("c2p" in types) + ("p2c" in types)
         scale = 1.0 / float(torch.sqrt(torch.tensor(self.attention_head_size, dtype=torch.float) * factor))
-        heads = qkv.view(qkv.shape[0], 3, self.num_attention_heads, self.attention_head_size)
-        if not self.relative_attention or positions.relative_rows is None:
-            return disentangled.tables(heads, None, None, None, scale)
+        if not self.relative_attention or positions.relative_rows is None or factor == 1:
+            return disentangled.Disentangled(None, None, None, scale)
         rows = self.pos_dropout(positions.relative_rows)  # [R, hidden]
         # The projections are the modules themselves (HF calls them on the rows too): LoRA and hooks apply.
-        pos_key = (self.key_proj if self.share_att_key else getattr(self, "pos_key_proj", None))
-        pos_query = (self.query_proj if self.share_att_key else getattr(self, "pos_query_proj", None))
-        return disentangled.tables(heads, pos_key(rows) if "c2p" in types else None,
-                                   pos_query(rows) if "p2c" in types else None, positions.relative_index, scale)
+        pos_key = self.key_proj if self.share_att_key else getattr(self, "pos_key_proj", None)
+        pos_query = self.query_proj if self.share_att_key else getattr(self, "pos_query_proj", None)
+        return disentangled.Disentangled(pos_key(rows) if "c2p" in types else None,
+                                         pos_query(rows) if "p2c" in types else None, positions.relative_index, scale)
 
 
 class DebertaV2SelfOutput(layers.FusedDenseResidualLayerNorm, hf.DebertaV2SelfOutput):

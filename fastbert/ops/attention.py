@@ -33,7 +33,7 @@ from ..kernels import attention_varlen as triton_varlen
 from ..kernels._common import launch_or_op
 from ..padding import TokenLayout
 from . import disentangled as position_terms
-from .disentangled import Disentangled
+from .disentangled import Disentangled, Tables
 from ..plan import decided
 
 
@@ -64,7 +64,8 @@ def attention_cpu_isas() -> list[str]:
     return [] if attention_cpu_unavailable_reasons() else list(_extension._C.attention_cpu_isas())
 
 
-def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa="", c2p=None, p2c=None, index=None):
+def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa="", pos_key=None, pos_query=None,
+                              index=None):
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be a float32 CPU tensor [tokens, 3, heads, head_dim], got {tuple(qkv.shape)} "
                          f"{qkv.dtype} on {qkv.device}")
@@ -83,27 +84,27 @@ def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa=
                                 or columns.device.type != "cpu"):
         raise ValueError(f"columns must be an int32 CPU tensor [{qkv.shape[0]}], got {tuple(columns.shape)} "
                          f"{columns.dtype} on {columns.device}")
-    _check_position_tables(qkv, seqlens, columns, c2p, p2c, index)
+    _check_position_tables(qkv, seqlens, columns, pos_key, pos_query, index)
 
 
-def _check_position_tables(qkv, seqlens, columns, c2p, p2c, index):
-    """DeBERTa's tables (``ops/disentangled.py``): float32 [H, T, R] each, and an int32 index [2C + 1] of rows in
+def _check_position_tables(qkv, seqlens, columns, pos_key, pos_query, index):
+    """DeBERTa's rows (``ops/disentangled.py``): float32 [R, H * D] each, and an int32 index [2C + 1] of rows in
     [0, R) that reaches every distance between the tokens' columns (a host read: the kernel indexes without checks)."""
-    if c2p is None and p2c is None:
+    if pos_key is None and pos_query is None:
         if index is not None:
-            raise ValueError("index is given without c2p or p2c")
+            raise ValueError("index is given without pos_key or pos_query")
         return
-    rows = (c2p if c2p is not None else p2c).shape[-1]
-    for name, table in (("c2p", c2p), ("p2c", p2c)):
+    rows, width = (pos_key if pos_key is not None else pos_query).shape[0], qkv.shape[2] * qkv.shape[3]
+    for name, table in (("pos_key", pos_key), ("pos_query", pos_query)):
         if table is not None and (table.dtype != torch.float32 or table.device.type != "cpu"
-                                  or table.shape != (qkv.shape[2], qkv.shape[0], rows)):
-            raise ValueError(f"{name} must be a float32 CPU tensor [heads, tokens, rows] = [{qkv.shape[2]}, "
-                             f"{qkv.shape[0]}, {rows}], got {tuple(table.shape)} {table.dtype} on {table.device}")
+                                  or table.shape != (rows, width)):
+            raise ValueError(f"{name} must be a float32 CPU tensor [rows, heads * head_dim] = [{rows}, {width}], "
+                             f"got {tuple(table.shape)} {table.dtype} on {table.device}")
     if index is None or index.dtype != torch.int32 or index.dim() != 1 or index.shape[0] % 2 == 0:
-        raise ValueError("index must be an int32 tensor [2 * center + 1] with c2p or p2c, got "
+        raise ValueError("index must be an int32 tensor [2 * center + 1] with pos_key or pos_query, got "
                          f"{None if index is None else (tuple(index.shape), index.dtype)}")
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
-        raise ValueError(f"index must hold rows in [0, {rows}) of the tables")
+        raise ValueError(f"index must hold rows in [0, {rows}) of pos_key and pos_query")
     reach = max(seqlens, default=1) - 1
     if columns is not None and columns.numel():
         reach = max(int(chunk.max() - chunk.min()) for chunk in columns.split(list(seqlens)) if chunk.numel())
@@ -112,38 +113,40 @@ def _check_position_tables(qkv, seqlens, columns, c2p, p2c, index):
                          f"{reach} apart")
 
 
-def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", c2p=None, p2c=None, index=None,
-                          scale=None) -> torch.Tensor:
-    tensors = [None if t is None else t.detach().contiguous() for t in (qkv, relative_bias, columns, c2p, p2c, index)]
-    qkv, relative_bias, columns, c2p, p2c, index = tensors
-    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa, c2p, p2c, index)
+def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", pos_key=None, pos_query=None,
+                          index=None, scale=None) -> torch.Tensor:
+    tensors = [None if t is None else t.detach().contiguous()
+               for t in (qkv, relative_bias, columns, pos_key, pos_query, index)]
+    qkv, relative_bias, columns, pos_key, pos_query, index = tensors
+    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index)
     reasons = attention_cpu_unavailable_reasons()
     if reasons:
         raise RuntimeError(reasons[0])
     heads, head_dim = qkv.shape[2], qkv.shape[3]
     out = qkv.new_empty(qkv.shape[0], heads, head_dim)
-    table = c2p if c2p is not None else p2c
+    rows = pos_key if pos_key is not None else pos_query
     _extension._C.attention_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), heads, head_dim,
                                 0 if relative_bias is None else relative_bias.data_ptr(),
                                 0 if relative_bias is None else (relative_bias.shape[1] - 1) // 2,
                                 -1 if window is None else window, 0 if columns is None else columns.data_ptr(),
                                 head_dim ** -0.5 if scale is None else scale, torch.get_num_threads(), isa,
-                                0 if c2p is None else c2p.data_ptr(), 0 if p2c is None else p2c.data_ptr(),
-                                0 if table is None else table.shape[-1], 0 if index is None else index.data_ptr(),
+                                0 if pos_key is None else pos_key.data_ptr(),
+                                0 if pos_query is None else pos_query.data_ptr(),
+                                0 if rows is None else rows.shape[0], 0 if index is None else index.data_ptr(),
                                 0 if index is None else (index.shape[0] - 1) // 2)
     return out
 
 
 @torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
 def _attention_cpu_op(qkv: torch.Tensor, seqlens: list[int], relative_bias: torch.Tensor | None,
-                      window: int | None, columns: torch.Tensor | None, isa: str, c2p: torch.Tensor | None = None,
-                      p2c: torch.Tensor | None = None, index: torch.Tensor | None = None,
-                      scale: float | None = None) -> torch.Tensor:
-    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa, c2p, p2c, index, scale)
+                      window: int | None, columns: torch.Tensor | None, isa: str,
+                      pos_key: torch.Tensor | None = None, pos_query: torch.Tensor | None = None,
+                      index: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index, scale)
 
 
 @_attention_cpu_op.register_fake
-def _(qkv, seqlens, relative_bias, window, columns, isa, c2p=None, p2c=None, index=None, scale=None):
+def _(qkv, seqlens, relative_bias, window, columns, isa, pos_key=None, pos_query=None, index=None, scale=None):
     _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)  # (the tables' values: when it runs)
     return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
 
@@ -156,11 +159,11 @@ def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None
     ``seqlens[b]`` rows. relative_bias: None or float32 [H, 2R + 1] by distance j - i clamped to [-R, R]; window:
     None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
     columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each);
-    disentangled: DeBERTa's position tables over the T tokens (``ops/disentangled.py``), gathered per score, and
-    their scale. Raises ValueError before the kernel runs when the arguments do not fit."""
+    disentangled: DeBERTa's projected relative rows, their index by distance and the scale (``ops/disentangled.py``):
+    each sequence's and head's dot products with them formed in cache and gathered per score. Raises ValueError before the kernel runs when the arguments do not fit."""
     d = disentangled
     return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
-                        isa, None if d is None else d.c2p, None if d is None else d.p2c,
+                        isa, None if d is None else d.pos_key, None if d is None else d.pos_query,
                         None if d is None else d.index, None if d is None else d.scale)
 
 
@@ -203,7 +206,7 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, window: int | None = None,
                     relative_bias: torch.Tensor | None = None,
-                    disentangled: Disentangled | None = None) -> torch.Tensor:
+                    disentangled: Tables | None = None) -> torch.Tensor:
     """Dense layout through torch SDPA. heads: [B*S, 3, H, D] -> [B, S, H, D]."""
     q, k, v = heads.view(layout.batch, layout.seq_len, *heads.shape[1:]).permute(2, 0, 3, 1, 4)  # [B, H, S, D] each
     keep, keys = None, layout.key_mask()
@@ -236,7 +239,7 @@ def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, 
 
 def _attention_varlen_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, window: int | None = None,
                            relative_bias: torch.Tensor | None = None,
-                           disentangled: Disentangled | None = None) -> torch.Tensor:
+                           disentangled: Tables | None = None) -> torch.Tensor:
     """Packed layout on CPU through torch: SDPA on each sequence's rows (views, no padding back to the max).
 
     heads: [T, 3, H, D] -> [T, H, D]. One SDPA per sequence: on CPU each call is large enough that the loop costs
@@ -268,7 +271,7 @@ def _attention_varlen_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: 
 
 def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float,
                                       window: int | None = None, relative_bias: torch.Tensor | None = None,
-                                      disentangled: Disentangled | None = None) -> torch.Tensor:
+                                      disentangled: Tables | None = None) -> torch.Tensor:
     """Packed layout through one masked SDPA over the padded batch (GPU training, or a head dim the Triton kernel
     does not take): heads [T, 3, H, D] -> [T, H, D]. Differentiable: the scatter into the padded buffer and the gather
     back are index ops; every other op of the layer still runs on the T real tokens only."""
@@ -310,8 +313,8 @@ def _triton_why_not(call: Call) -> list[str]:
 def _triton_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
     positional = window is not None or relative_bias is not None or disentangled is not None
     columns = layout.columns if positional else None
-    d = disentangled
-    tables = () if d is None else (d.c2p, d.p2c, d.index, d.scale)
+    t = None if disentangled is None else position_terms.tables(heads, disentangled)
+    tables = () if t is None else (t.c2p, t.p2c, None if t.c2p is None and t.p2c is None else t.index, t.scale)
     if layout.packed:
         return triton_varlen.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen, window, columns,
                                               relative_bias, *tables)
@@ -344,6 +347,8 @@ def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled
 
 
 def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
+    if disentangled is not None:  # (the bias SDPA adds is built from the tables)
+        disentangled = position_terms.tables(heads, disentangled)
     if not layout.packed:
         return _attention_sdpa(heads, layout, dropout_p, window, relative_bias, disentangled)
     if heads.device.type == "cuda":  # (a loop of small SDPA calls would be host-bound on a GPU)
@@ -373,7 +378,7 @@ DISENTANGLED_BACKENDS = dispatch.register("disentangled_attention", [
 
 def _decide(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: float, head_dim: int,
             disentangled: Disentangled | None):
-    tables = () if disentangled is None else (disentangled.c2p, disentangled.p2c)
+    tables = () if disentangled is None else (disentangled.pos_key, disentangled.pos_query)
     reasons = dispatch.needs_reference(qkv, relative_bias, *tables, dropout_p=dropout_p)
     op, backends = ("attention", BACKENDS) if disentangled is None else ("disentangled_attention",
                                                                          DISENTANGLED_BACKENDS)

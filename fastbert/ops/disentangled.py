@@ -6,13 +6,16 @@
 r_k and r_q are the relative embeddings' rows projected per head (``pos_key_proj`` / ``pos_query_proj``, or the
 layer's own ``key_proj`` / ``query_proj`` where the model shares them); δ(i, j) is the row of the distance between
 the query's and the key's columns (transformers' log buckets, clamped to the table); ``factor`` counts the active
-terms. Only the rows the batch's distances reach are projected, and their dot products formed as GEMMs:
+terms. Only the rows the batch's distances reach are projected (``Disentangled``: r_k and r_q [R, H * D], the
+index [2C + 1] int32 of the row of the distance d = column_i - column_j at index[d + C], and the scale); their dot
+products with the tokens are
 
-    c2p   [H, T, R] = q . r_k^T      p2c [H, T, R] = k . r_q^T            (T tokens, R rows; None where inactive)
-    index [2C + 1] int32: the table row of the distance d = column_i - column_j at index[d + C]
+    c2p [H, T, R] = q . r_k^T      p2c [H, T, R] = k . r_q^T            (T tokens, R rows; None where inactive)
 
-The attention kernels (``ops/attention.py``'s backends) gather c2p[h, i, δ] and p2c[h, j, δ] per score: no
-[H, S, S] tensor. ``bias`` below builds that tensor for torch's SDPA, the reference and the differentiable path.
+The attention backends (``ops/attention.py``) gather c2p[h, i, δ] and p2c[h, j, δ] per score, with no [H, S, S]
+tensor: the Triton kernel from ``Tables`` formed as GEMMs (``tables``), the C++ CPU kernel from the rows themselves,
+forming each sequence's and head's dot products in cache. ``bias`` builds the [H, L, L] tensor from the tables for
+torch's SDPA, the reference and the differentiable path.
 """
 
 import dataclasses
@@ -22,17 +25,29 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class Disentangled:
+    """What a layer gives the attention op."""
+
+    pos_key: torch.Tensor | None  # [R, H * D]: r_k, the relative rows through the key projection (c2p), or None
+    pos_query: torch.Tensor | None  # [R, H * D]: r_q, through the query projection (p2c), or None
+    index: torch.Tensor | None  # int32 [2C + 1]: the row of distance d (query column - key column) at d + C
+    scale: float  # what the sum of the terms is multiplied by (also where no term is active)
+
+    def requires_grad(self) -> bool:
+        return any(t is not None and t.requires_grad for t in (self.pos_key, self.pos_query))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The terms' dot products with the tokens, as the Triton kernel and torch's path read them."""
+
     c2p: torch.Tensor | None  # [H, T, R]: query token t's dot product with r_k's row r
     p2c: torch.Tensor | None  # [H, T, R]: key token t's dot product with r_q's row r
-    index: torch.Tensor | None  # int32 [2C + 1]: the row of distance d (query column - key column) at d + C
-    scale: float  # what the sum of the terms is multiplied by (also where no table is active)
+    index: torch.Tensor | None  # as Disentangled's
+    scale: float
 
     @property
     def center(self) -> int:
         return (self.index.shape[0] - 1) // 2
-
-    def requires_grad(self) -> bool:
-        return any(t is not None and t.requires_grad for t in (self.c2p, self.p2c))
 
 
 def relative_index(seq_len: int, buckets: int, max_relative: int, span: int, bucket_fn, device) -> torch.Tensor:
@@ -45,10 +60,8 @@ def relative_index(seq_len: int, buckets: int, max_relative: int, span: int, buc
     return (distance + span).clamp(0, 2 * span - 1)
 
 
-def tables(qkv: torch.Tensor, pos_key: torch.Tensor | None, pos_query: torch.Tensor | None,
-           index: torch.Tensor | None, scale: float) -> Disentangled:
-    """qkv [T, 3, H, D]; pos_key, pos_query: the R projected rows [R, H * D] (None: that term is inactive);
-    index: int [2C + 1] into those rows -> the per-head GEMMs (differentiable)."""
+def tables(qkv: torch.Tensor, d: Disentangled) -> Tables:
+    """qkv [T, 3, H, D] and the layer's rows -> the per-head GEMMs (differentiable)."""
     heads, head_dim = qkv.shape[2], qkv.shape[3]
 
     def per_head(content: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -57,11 +70,10 @@ def tables(qkv: torch.Tensor, pos_key: torch.Tensor | None, pos_query: torch.Ten
         rows = rows.view(rows.shape[0], heads, head_dim).permute(1, 2, 0)  # [H, D, R]
         return torch.matmul(content.transpose(0, 1), rows)  # [H, T, D] @ [H, D, R] -> [H, T, R]
 
-    c2p, p2c = per_head(qkv[:, 0], pos_key), per_head(qkv[:, 1], pos_query)
-    return Disentangled(c2p, p2c, None if c2p is None and p2c is None else index.to(torch.int32), scale)
+    return Tables(per_head(qkv[:, 0], d.pos_key), per_head(qkv[:, 1], d.pos_query), d.index, d.scale)
 
 
-def bias(d: Disentangled, tokens: slice, columns: torch.Tensor) -> torch.Tensor | None:
+def bias(d: Tables, tokens: slice, columns: torch.Tensor) -> torch.Tensor | None:
     """The position terms of one sequence, unscaled: [H, L, L], entry [h, i, j] = c2p[h, i, δ] + p2c[h, j, δ] with
     δ = index[column_i - column_j + C] (None where no table is active). tokens: the sequence's rows of the tables;
     columns: its L columns."""
@@ -78,7 +90,7 @@ def bias(d: Disentangled, tokens: slice, columns: torch.Tensor) -> torch.Tensor 
     return total
 
 
-def batch_bias(d: Disentangled, batch: int, seq_len: int) -> torch.Tensor | None:
+def batch_bias(d: Tables, batch: int, seq_len: int) -> torch.Tensor | None:
     """``bias`` of every row of a dense [B, S] batch (tables of B * S tokens, columns 0 .. S - 1): [B, H, S, S]."""
     if d.index is None:
         return None
@@ -86,7 +98,7 @@ def batch_bias(d: Disentangled, batch: int, seq_len: int) -> torch.Tensor | None
     return torch.stack([bias(d, slice(b * seq_len, (b + 1) * seq_len), columns) for b in range(batch)])
 
 
-def attention_ref(qkv: torch.Tensor, seqlens, d: Disentangled, columns: torch.Tensor | None = None) -> torch.Tensor:
+def attention_ref(qkv: torch.Tensor, seqlens, d: Tables, columns: torch.Tensor | None = None) -> torch.Tensor:
     """The attention with these terms, in float64 torch ops: qkv [T, 3, H, D], sequence b the next ``seqlens[b]``
     rows, columns [T] (None: offsets) -> [T, H, D] float64. What the kernels compute up to float32 rounding."""
     outputs, start = [], 0
