@@ -161,7 +161,7 @@ def test_quantize_with_the_guard(checkpoints, measurements_kept):
     assert not any("pos_" in name for name in names) and len(names) == 6 * config.num_hidden_layers
     fastbert.quantize(model, tokenizer=tokenizer)
     report = fastbert.info()["int8"]["models"][-1]
-    assert report["outcome"] in ("int8", "float32"), report
+    assert report["outcome"] == "int8" and not report["float32_layers"], report
     assert all(int8.chosen(getattr(m.attention.self, p)) is None for m in model.encoder.layer
                for p in ("pos_key_proj", "pos_query_proj"))
     batch = tokenizer(["A man is eating food.", "Two men pushed carts through the woods."], padding=True,
