@@ -51,18 +51,25 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # a power of two >= 16 (tl.dot's minimum)
 
 
-def _gpu_config(arch: str, head_dim: int, dtype: torch.dtype, positional: bool = False) -> dict:
+def _gpu_config(arch: str, head_dim: int, dtype: torch.dtype, positional: bool = False,
+                gathers: bool = False) -> dict:
     """``positional``: a launch with a window or a relative bias (distances between tokens). fp32 at D = 128 then
     takes 4 warps: with 8, the sm_90 build spills 8 bytes per thread in some of those variants (window with "ieee"
-    products, bias with "tf32"); with 4, none does (140-160 registers)."""
+    products, bias with "tf32"); with 4, none does (140-160 registers). ``gathers``: DeBERTa's tables, three gathers
+    per score (a row index, c2p, p2c): 16-bit then takes 32 keys per step (with 64 the sm_90 build spilled 312 bytes
+    per thread at 255 registers), fp32 16 keys with 4 warps (32 x 32 with 8 warps spilled 8 bytes at D = 64 and 840
+    at D = 128 with "ieee" products; 32 x 16 with 4 warps: 96 and 164 registers, no spill)."""
     block_d, dtype_class = _block_d(head_dim), "fp32" if dtype == torch.float32 else "16bit"
     block_m, block_n, num_warps, num_stages = _ATTENTION_CONFIGS[arch, dtype_class, block_d]
     if positional and dtype_class == "fp32" and block_d == 128:
         num_warps = 4
+    if gathers:
+        block_n, num_warps = (min(block_n, 32), num_warps) if dtype_class == "16bit" else (16, 4)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
 
 
-def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, positional: bool = False) -> dict:
+def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, positional: bool = False,
+                      gathers: bool = False) -> dict:
     """Block sizes and launch options. No runtime autotuning: it would benchmark on the first call of every shape,
     inside a CUDA-graph capture too. GPU values come from the static table ``_ATTENTION_CONFIGS`` and are not yet
     timed on a GPU. The interpreter takes 16 x 16 blocks (tl.dot's minimum): cheap programs, and short test
@@ -70,7 +77,7 @@ def _attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, p
     if interpreting(device):
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=_block_d(head_dim), num_warps=1, num_stages=1)
     index = torch.cuda.current_device() if device.index is None else device.index
-    return _gpu_config(_gpu_arch(index), head_dim, dtype, positional)
+    return _gpu_config(_gpu_arch(index), head_dim, dtype, positional, gathers)
 
 
 def _cuda_fp32_matmul_allows_tf32() -> bool:

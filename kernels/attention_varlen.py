@@ -10,7 +10,8 @@ the padded batch (holes in a mask make them differ from offsets), or between off
 import torch
 
 from ._common import check_last_dim_contiguous, launch_or_op
-from .attention import _attention_launch, _check_qkv, _check_relative_bias, _check_tables, _check_window, attention_ref
+from .attention import _attention_launch, attention_ref
+from .attention_args import _check_qkv, _check_relative_bias, _check_tables, _check_window
 
 
 def attention_varlen_ref(

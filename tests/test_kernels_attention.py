@@ -344,21 +344,24 @@ def test_attention_config_asks_the_arch_once_per_cuda_device(monkeypatch):
 
 # Every kernel variant the launchers run: name -> (HAS_MASK, HAS_BOUND, EVEN_N, VARLEN, HAS_WINDOW, HAS_COLUMNS,
 # HAS_REL_BIAS); EVEN_N for 16-bit only.
-KERNEL_VARIANTS = {
-    "no mask": (False, False, False, False, False, False, False),  # fp32, or 16-bit with S % BLOCK_N != 0
-    "mask": (True, False, False, False, False, False, False),
+KERNEL_VARIANTS = {  # (mask, bounds, even_n, varlen, window, columns, bias, DeBERTa's tables)
+    "no mask": (False, False, False, False, False, False, False, False),  # fp32, or 16-bit with S % BLOCK_N != 0
+    "mask": (True, False, False, False, False, False, False, False),
     # the dense masked path (unpad=False, torch.compile, CUDA graphs)
-    "mask+bounds": (True, True, False, False, False, False, False),
-    "bounds": (False, True, False, False, False, False, False),  # a right-padded prefix mask as key_bounds alone
-    "varlen": (False, False, False, True, False, False, False),
-    "even_n": (False, False, True, False, False, False, False),
-    "even_n+mask": (True, False, True, False, False, False, False),
+    "mask+bounds": (True, True, False, False, False, False, False, False),
+    "bounds": (False, True, False, False, False, False, False, False),  # a right-padded prefix mask as key_bounds alone
+    "varlen": (False, False, False, True, False, False, False, False),
+    "even_n": (False, False, True, False, False, False, False, False),
+    "even_n+mask": (True, False, True, False, False, False, False, False),
     # ModernBERT's local layers: packed (columns), and dense with mask + bounds
-    "varlen+window": (False, False, False, True, True, True, False),
-    "mask+bounds+window": (True, True, False, False, True, False, False),
+    "varlen+window": (False, False, False, True, True, True, False, False),
+    "mask+bounds+window": (True, True, False, False, True, False, False, False),
     # MPNet's relative bias: packed (columns), and dense with mask + bounds
-    "varlen+bias": (False, False, False, True, False, True, True),
-    "mask+bounds+bias": (True, True, False, False, False, False, True),
+    "varlen+bias": (False, False, False, True, False, True, True, False),
+    "mask+bounds+bias": (True, True, False, False, False, False, True, False),
+    # DeBERTa's c2p and p2c tables: packed (columns), and dense with a mask (its padding queries masked too)
+    "varlen+tables": (False, False, False, True, False, True, False, True),
+    "mask+tables": (True, False, False, False, False, False, False, True),
 }
 
 
@@ -375,17 +378,18 @@ def test_attention_compiles_for_h100(dtype, precision, head_dim):
     qkv, mask, i32 = torch.empty(0, dtype=dtype), torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int32)
     f32 = torch.empty(0)
     hidden = 12 * head_dim
-    for name, (has_mask, has_bound, even_n, varlen, has_window, has_columns, has_bias) in KERNEL_VARIANTS.items():
+    for name, variant in KERNEL_VARIANTS.items():
+        has_mask, has_bound, even_n, varlen, has_window, has_columns, has_bias, tables = variant
         if even_n and dtype == torch.float32:
             continue
-        config = _gpu_config("sm90", head_dim, dtype, has_window or has_bias)
+        config = _gpu_config("sm90", head_dim, dtype, has_window or has_bias or tables, tables)
         for seq_len in [0] if varlen else [128] if even_n else [100, 128]:
             compiled = compile_for_gpu(
-                _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32, i32, f32,
+                _attention_fwd_kernel, qkv, qkv, qkv, qkv, mask, i32, i32, i32, f32, qkv, qkv, i32,
                 seq_len * 3 * hidden, 3 * hidden, head_dim, hidden, head_dim, seq_len, 1, 1,
-                seq_len, 12, head_dim, 0.18, 64, 128, HAS_MASK=has_mask, HAS_BOUND=has_bound, EVEN_N=even_n,
-                VARLEN=varlen, HAS_WINDOW=has_window, HAS_COLUMNS=has_columns, HAS_REL_BIAS=has_bias,
-                INPUT_PRECISION=precision, **config,
+                seq_len, 12, head_dim, 0.18, 64, 128, 4096, 511, 511, HAS_MASK=has_mask, HAS_BOUND=has_bound,
+                EVEN_N=even_n, VARLEN=varlen, HAS_WINDOW=has_window, HAS_COLUMNS=has_columns, HAS_REL_BIAS=has_bias,
+                HAS_C2P=tables, HAS_P2C=tables, MASK_QUERIES=tables and has_mask, INPUT_PRECISION=precision, **config,
             )
             assert compiled.metadata.shared <= 227 * 1024
             resources = cubin_resources(compiled)

@@ -84,33 +84,7 @@ def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa=
                                 or columns.device.type != "cpu"):
         raise ValueError(f"columns must be an int32 CPU tensor [{qkv.shape[0]}], got {tuple(columns.shape)} "
                          f"{columns.dtype} on {columns.device}")
-    _check_position_tables(qkv, seqlens, columns, pos_key, pos_query, index)
-
-
-def _check_position_tables(qkv, seqlens, columns, pos_key, pos_query, index):
-    """DeBERTa's rows (``ops/disentangled.py``): float32 [R, H * D] each, and an int32 index [2C + 1] of rows in
-    [0, R) that reaches every distance between the tokens' columns (a host read: the kernel indexes without checks)."""
-    if pos_key is None and pos_query is None:
-        if index is not None:
-            raise ValueError("index is given without pos_key or pos_query")
-        return
-    rows, width = (pos_key if pos_key is not None else pos_query).shape[0], qkv.shape[2] * qkv.shape[3]
-    for name, table in (("pos_key", pos_key), ("pos_query", pos_query)):
-        if table is not None and (table.dtype != torch.float32 or table.device.type != "cpu"
-                                  or table.shape != (rows, width)):
-            raise ValueError(f"{name} must be a float32 CPU tensor [rows, heads * head_dim] = [{rows}, {width}], "
-                             f"got {tuple(table.shape)} {table.dtype} on {table.device}")
-    if index is None or index.dtype != torch.int32 or index.dim() != 1 or index.shape[0] % 2 == 0:
-        raise ValueError("index must be an int32 tensor [2 * center + 1] with pos_key or pos_query, got "
-                         f"{None if index is None else (tuple(index.shape), index.dtype)}")
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
-        raise ValueError(f"index must hold rows in [0, {rows}) of pos_key and pos_query")
-    reach = max(seqlens, default=1) - 1
-    if columns is not None and columns.numel():
-        reach = max(int(chunk.max() - chunk.min()) for chunk in columns.split(list(seqlens)) if chunk.numel())
-    if reach > (index.shape[0] - 1) // 2:
-        raise ValueError(f"index covers distances up to {(index.shape[0] - 1) // 2}, the tokens' columns are "
-                         f"{reach} apart")
+    position_terms.check_rows(qkv, seqlens, columns, pos_key, pos_query, index)
 
 
 def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", pos_key=None, pos_query=None,

@@ -50,6 +50,32 @@ class Tables:
         return (self.index.shape[0] - 1) // 2
 
 
+def check_rows(qkv, seqlens, columns, pos_key, pos_query, index):
+    """The C++ kernel's arguments: float32 [R, H * D] each, and an int32 index [2C + 1] of rows in
+    [0, R) that reaches every distance between the tokens' columns (a host read: the kernel indexes without checks)."""
+    if pos_key is None and pos_query is None:
+        if index is not None:
+            raise ValueError("index is given without pos_key or pos_query")
+        return
+    rows, width = (pos_key if pos_key is not None else pos_query).shape[0], qkv.shape[2] * qkv.shape[3]
+    for name, table in (("pos_key", pos_key), ("pos_query", pos_query)):
+        if table is not None and (table.dtype != torch.float32 or table.device.type != "cpu"
+                                  or table.shape != (rows, width)):
+            raise ValueError(f"{name} must be a float32 CPU tensor [rows, heads * head_dim] = [{rows}, {width}], "
+                             f"got {tuple(table.shape)} {table.dtype} on {table.device}")
+    if index is None or index.dtype != torch.int32 or index.dim() != 1 or index.shape[0] % 2 == 0:
+        raise ValueError("index must be an int32 tensor [2 * center + 1] with pos_key or pos_query, got "
+                         f"{None if index is None else (tuple(index.shape), index.dtype)}")
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
+        raise ValueError(f"index must hold rows in [0, {rows}) of pos_key and pos_query")
+    reach = max(seqlens, default=1) - 1
+    if columns is not None and columns.numel():
+        reach = max(int(chunk.max() - chunk.min()) for chunk in columns.split(list(seqlens)) if chunk.numel())
+    if reach > (index.shape[0] - 1) // 2:
+        raise ValueError(f"index covers distances up to {(index.shape[0] - 1) // 2}, the tokens' columns are "
+                         f"{reach} apart")
+
+
 def relative_index(seq_len: int, buckets: int, max_relative: int, span: int, bucket_fn, device) -> torch.Tensor:
     """The table row of every distance d = query column - key column in a batch of ``seq_len`` columns: int64
     [2 seq_len - 1], entry d + seq_len - 1 = clamp(bucket(d) + span, 0, 2 span - 1), as transformers gathers it.
