@@ -52,7 +52,7 @@ else:
         "optimize", "quantize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
     ]
     # (families of newer transformers: see fastbert.models)
-    for _name in ("GteModel", "NomicBertModel", "ModernBertModel", "MPNetModel", "DebertaV2Model"):
+    for _name in ("GteModel", "NomicBertModel", "ModernBertModel", "MPNetModel", "DebertaV2Model", "DebertaModel"):
         if _name not in _UNAVAILABLE:
             globals()[_name] = getattr(importlib.import_module(".models", __name__), _name)
             __all__.append(_name)

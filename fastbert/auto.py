@@ -37,7 +37,7 @@ def _accelerated(model):
     if not accelerated and not left:
         announce.fallback(f"{', '.join(model_classes(model))} is not a family fastbert accelerates (BERT, RoBERTa, "
                           "XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT, ModernBERT, MPNet, "
-                          "DeBERTa-v2): transformers' model is returned unchanged")
+                          "DeBERTa, DeBERTa-v2): transformers' model is returned unchanged")
     return model
 
 

@@ -3,7 +3,7 @@ and the outputs in the shapes transformers returns them.
 
 transformers' own forward runs (announced once, ``announce.fallback``) for:
 - a configuration fastbert does not accelerate (``why_not_accelerated``): decoders and cross-attention, relative
-  position embeddings, rotary frequencies that follow the input's length;
+  position embeddings, rotary frequencies that follow the input's length, DeBERTa's talking heads;
 - an argument it does not accelerate (``head_mask``, ``output_attentions``, the decoder's, an unknown one), or a 3-D
   or 4-D attention mask;
 - a hook the fused forward would skip: a global module hook, one on a module it bypasses (a layer, an attention
@@ -33,6 +33,8 @@ def why_not_accelerated(config) -> str | None:
     """The configuration options whose forward fastbert leaves to transformers, or None."""
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
         return "config.is_decoder / add_cross_attention (causal masks, KV cache, cross-attention)"
+    if getattr(config, "talking_head", False):
+        return "config.talking_head (DeBERTa's mixing of the heads' scores)"
     position_type = getattr(config, "position_embedding_type", "absolute")
     if position_type not in (None, "absolute"):
         return f"config.position_embedding_type={position_type!r} (relative positions)"

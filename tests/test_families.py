@@ -120,6 +120,15 @@ if hasattr(fastbert, "DebertaV2Model"):  # (transformers 5.x)
             pos_att_type=["c2p"], share_att_key=False, position_biased_input=True, type_vocab_size=2,
             conv_kernel_size=3, conv_act="gelu", **_DEBERTA), _ROBERTA_HEADS, fused_mlm_head=False),
     })
+if hasattr(fastbert, "DebertaModel"):  # (transformers 5.x)
+    # v1: in_proj with q and v biases, absolute positions, 2 token types, distances clamped at 8, both terms, its
+    # own LayerNorm class (called as a module); head dim 26
+    FAMILIES["deberta-v1"] = Family(fastbert.DebertaModel, transformers.DebertaConfig(
+        vocab_size=99, hidden_size=78, num_attention_heads=3, num_hidden_layers=2, intermediate_size=50,
+        max_position_embeddings=40, relative_attention=True, max_relative_positions=8, pos_att_type=["c2p", "p2c"],
+        type_vocab_size=2, pad_token_id=0, **_NO_DROPOUT),
+        ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMaskedLM"),
+        fused_mlm_head=False)
 FAMILY_IDS = list(FAMILIES)
 
 
@@ -413,7 +422,7 @@ def test_triton_path_under_interpreter(family, monkeypatch, assert_matches_hf, f
     assert_matches_hf(*(o.last_hidden_state for o in outs), mask)
     layers = family.config.num_hidden_layers
     expected = {"embedding_layer_norm": 1, "attention_varlen": layers, "layer_norm": 2 * layers}
-    if family.fast.__name__ == "DebertaV2Model":
+    if family.fast.__name__ in ("DebertaV2Model", "DebertaModel"):
         expected["layer_norm"] += bool(getattr(family.config, "conv_kernel_size", 0))  # (ConvLayer's)
     if type(family.config).__name__ in ("GteConfig", "NomicBertConfig", "ModernBertConfig"):  # rotary q/k, GLU MLP
         expected.update(rotary_=layers, glu=layers)  # (ModernBERT: 2 LayerNorms per layer too, with final_norm for

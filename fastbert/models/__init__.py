@@ -2,7 +2,8 @@
 fuses (``class BertLayer(layers.FusedLayer, hf.BertLayer)``), maps transformers' classes to them in ``FUSED_CLASSES``
 and ``HEAD_CLASSES`` (head modules with a fused forward, e.g. the MLM transform), and defines its model class
 (``modeling.FusedModel`` + transformers' ``*Model``). Adding a family: write its module (``bert.py`` is the example to
-copy; ``gte.py`` for rotary positions and a GLU MLP, ``mpnet.py`` for a relative-position bias, ``deberta_v2.py`` for DeBERTa's disentangled position terms) and list it here
+copy; ``gte.py`` for rotary positions and a GLU MLP, ``mpnet.py`` for a relative-position bias, ``deberta_v2.py`` for
+DeBERTa's disentangled position terms) and list it here
 (docs/architecture.md)."""
 
 import importlib.util
@@ -25,7 +26,7 @@ UNAVAILABLE = {}
 # and MPNet are other module trees): (transformers' package, our model class) each; our module has the package's name.
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 for _package, _model in (("gte", "GteModel"), ("nomic_bert", "NomicBertModel"), ("modernbert", "ModernBertModel"),
-                         ("mpnet", "MPNetModel"), ("deberta_v2", "DebertaV2Model")):
+                         ("mpnet", "MPNetModel"), ("deberta_v2", "DebertaV2Model"), ("deberta", "DebertaModel")):
     if not _TRANSFORMERS_5 or importlib.util.find_spec(f"transformers.models.{_package}") is None:
         UNAVAILABLE[_model] = f"needs transformers 5.x with transformers.models.{_package}"
         continue

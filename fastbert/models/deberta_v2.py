@@ -45,9 +45,8 @@ class DisentangledSelfAttention(layers.Fused, hf.DisentangledSelfAttention):
         """This layer's projections of the relative rows (c2p's through the key projection, p2c's through the query
         one) with transformers' scale: 1 / sqrt(head_dim * (1 + the number of active terms))."""
         types = self.pos_att_type
-        factor = 1 + ("c2p" in types) + ("p2c" in types)
-        scale = 1.0 / float(torch.sqrt(torch.tensor(self.attention_head_size, dtype=torch.float) * factor))
-        if not self.relative_attention or positions.relative_rows is None or factor == 1:
+        scale = scale_of(self.attention_head_size, 1 + ("c2p" in types) + ("p2c" in types))
+        if not self.relative_attention or positions.relative_rows is None or not {"c2p", "p2c"} & set(types):
             return disentangled.Disentangled(None, None, None, scale)
         rows = self.pos_dropout(positions.relative_rows)  # [R, hidden]
         # The projections are the modules themselves (HF calls them on the rows too): LoRA and hooks apply.
@@ -57,15 +56,17 @@ class DisentangledSelfAttention(layers.Fused, hf.DisentangledSelfAttention):
                                          pos_query(rows) if "p2c" in types else None, positions.relative_index, scale)
 
 
+def scale_of(head_dim: int, factor: int) -> float:
+    """1 / sqrt(head_dim * factor), the square root in float32 as transformers takes it."""
+    return 1.0 / float(torch.sqrt(torch.tensor(head_dim, dtype=torch.float) * factor))
+
+
 class DebertaV2SelfOutput(layers.FusedDenseResidualLayerNorm, hf.DebertaV2SelfOutput):
     pass
 
 
-class DebertaV2Attention(layers.Fused, hf.DebertaV2Attention):
-    bypassed = ("self", "output")
-
-    def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
-        return self.output.fused(self.self.fused(x, layout, positions), x)
+class DebertaV2Attention(layers.FusedAttention, hf.DebertaV2Attention):
+    pass
 
 
 class DebertaV2Intermediate(layers.FusedIntermediate, hf.DebertaV2Intermediate):
@@ -120,10 +121,10 @@ class LegacyDebertaV2PredictionHeadTransform(layers.FusedPredictionHeadTransform
 HEAD_CLASSES = layers.fused_map(LegacyDebertaV2PredictionHeadTransform)
 
 
-class DebertaV2Model(modeling.FusedModel, hf.DebertaV2Model):
-    """Drop-in for ``transformers.DebertaV2Model``: ``DebertaV2Model(config, unpad=True)``."""
+class DebertaShapedModel(modeling.FusedModel):
+    """What DeBERTa v1 and v2 share: embeddings (with ``embed_proj`` before the LayerNorm where the widths differ),
+    padding rows zeroed on the dense path, and the relative rows and index by distance the layers read."""
 
-    fused_classes = FUSED_CLASSES
     output_class = BaseModelOutput
 
     def max_seq_len(self, input_ids):
@@ -136,7 +137,7 @@ class DebertaV2Model(modeling.FusedModel, hf.DebertaV2Model):
             return self.embeddings.fused(indices, inputs_embeds)  # [N, hidden]
         # embedding_size != hidden_size: the projection sits before the LayerNorm, where the fused kernel has none
         announce.note(f"{type(self).__name__}: embed_proj (embedding_size != hidden_size) runs the embeddings "
-                           "in torch ops")
+                      "in torch ops")
         e = self.embeddings
         x = e.word_embeddings(indices[0]) if inputs_embeds is None else inputs_embeds
         if e.position_embeddings is not None:
@@ -152,11 +153,17 @@ class DebertaV2Model(modeling.FusedModel, hf.DebertaV2Model):
         encoder = self.encoder
         if not encoder.relative_attention:
             return layout, Positions()
-        table = encoder.get_rel_embedding()  # [2 span, hidden], LayerNorm'd where norm_rel_ebd says so
+        table = encoder.get_rel_embedding()  # [2 span, hidden], LayerNorm'd where v2's norm_rel_ebd says so
         span = table.shape[0] // 2
-        first, last, index = _relative_index(max(layout.seq_len, 1), encoder.position_buckets,
+        first, last, index = _relative_index(max(layout.seq_len, 1), getattr(encoder, "position_buckets", -1),
                                              encoder.max_relative_positions, span, table.device)
         return padding.with_columns(layout), Positions(relative_rows=table[first: last + 1], relative_index=index)
+
+
+class DebertaV2Model(DebertaShapedModel, hf.DebertaV2Model):
+    """Drop-in for ``transformers.DebertaV2Model``: ``DebertaV2Model(config, unpad=True)``."""
+
+    fused_classes = FUSED_CLASSES
 
 
 def _zero_padding(x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:

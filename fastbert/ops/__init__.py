@@ -54,12 +54,28 @@ def why_not_plain(device: torch.device, **modules: tuple[nn.Module, type]) -> li
     return []
 
 
+# The LayerNorm classes whose math is nn.LayerNorm's over the last dim (biased variance, eps inside the square root,
+# weight and bias), by the attribute holding their eps: a fused op reads an exact instance of one of them. A family
+# with its own class registers it (DeBERTa v1's DebertaLayerNorm, whose forward is that math in float32).
+LAYER_NORMS: dict[type, str] = {nn.LayerNorm: "eps"}
+
+
+def ln_class(norm: nn.Module) -> type:
+    """The LayerNorm class a fused op checks ``norm`` against (``why_not_plain``): its own where registered."""
+    return type(norm) if type(norm) in LAYER_NORMS else nn.LayerNorm
+
+
+def ln_eps(norm: nn.Module) -> float:
+    """A plain LayerNorm's eps, whatever its registered class calls it."""
+    return getattr(norm, LAYER_NORMS[type(norm)])
+
+
 def layer_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for x [tokens, hidden]: ``F.layer_norm`` on a plain LayerNorm's weights (no module call), the module
     otherwise."""
-    if not is_plain(norm, nn.LayerNorm, x.device):
+    if not is_plain(norm, ln_class(norm), x.device):
         return norm(x)
-    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return F.layer_norm(x, norm.weight.shape, norm.weight, norm.bias, ln_eps(norm))
 
 
 def ln_bias(norm: nn.LayerNorm) -> torch.Tensor:

@@ -134,7 +134,8 @@ def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None
     None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
     columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each);
     disentangled: DeBERTa's projected relative rows, their index by distance and the scale (``ops/disentangled.py``):
-    each sequence's and head's dot products with them formed in cache and gathered per score. Raises ValueError before the kernel runs when the arguments do not fit."""
+    each sequence's and head's dot products with them formed in cache and gathered per score. Raises ValueError
+    before the kernel runs when the arguments do not fit."""
     d = disentangled
     return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
                         isa, None if d is None else d.pos_key, None if d is None else d.pos_query,

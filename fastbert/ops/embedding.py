@@ -22,7 +22,7 @@ from ..dispatch import Backend
 from ..kernels import embedding as triton_embedding
 from ..kernels._common import launch_or_op
 from ..plan import decided
-from . import dropout_p, ln_bias, why_not_plain
+from . import dropout_p, ln_bias, ln_class, ln_eps, why_not_plain
 
 # dtype codes of csrc/embedding_layer_norm.h's DType.
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -155,7 +155,7 @@ def _fused_run(implementation: str):
         if position_table is None:
             position_ids = torch.zeros_like(position_ids)
         return embedding_layer_norm(input_ids, position_ids, token_type_ids, word, positions, types, ln.weight,
-                                    ln_bias(ln), ln.eps, implementation)
+                                    ln_bias(ln), ln_eps(ln), implementation)
 
     return run
 
@@ -193,7 +193,7 @@ def _decide(embeddings: nn.Module, inputs_embeds: torch.Tensor | None):
                                        dropout_p=dropout_p(tables["dropout"]) if embeddings.training else 0.0)
     if inputs_embeds is not None:
         reasons = reasons or ["inputs_embeds replaces the fused word-embedding lookup"]
-    plain = dict(word_embeddings=(tables["word"], nn.Embedding), LayerNorm=(ln, nn.LayerNorm))
+    plain = dict(word_embeddings=(tables["word"], nn.Embedding), LayerNorm=(ln, ln_class(ln)))
     for name, role in (("position_embeddings", "position"), ("token_type_embeddings", "token_type")):
         if tables[role] is not None:
             plain[name] = (tables[role], nn.Embedding)

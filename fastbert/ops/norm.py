@@ -26,7 +26,7 @@ from ..kernels import layer_norm as layer_norm_kernels
 from ..kernels.activation import ACTIVATIONS, BIAS_ACT_KINDS
 from ..plain import has_hooks, is_plain
 from ..plan import decided
-from . import activation_name, dropout_p, gemm, ln_bias, why_not_plain
+from . import activation_name, dropout_p, gemm, ln_bias, ln_class, ln_eps, why_not_plain
 from . import layer_norm as module_layer_norm
 
 
@@ -56,7 +56,7 @@ def _call(x: torch.Tensor, dense, dropout, norm, act_fn=None, residual=None) -> 
         if ACTIVATIONS.get(activation) not in BIAS_ACT_KINDS:
             reasons = reasons or [f"activation {type(act_fn).__name__} has no fused kernel (HF's activation module "
                                   "runs)"]
-    reasons = reasons or why_not_plain(x.device, LayerNorm=(norm, nn.LayerNorm))
+    reasons = reasons or why_not_plain(x.device, LayerNorm=(norm, ln_class(norm)))
     return Call(dense, dropout, norm, act_fn, activation, tuple(reasons), x.device, x.dtype)
 
 
@@ -71,7 +71,7 @@ def _triton_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> tor
     # The GEMM with its 1-D bias (cuBLASLt's bias epilogue, one kernel); the kernel adds the residual and normalizes.
     # (addmm(residual, x, W^T) would first copy the residual into the output: one more kernel.)
     norm = call.norm
-    return layer_norm_kernels.layer_norm(gemm.linear(x, call.dense), norm.weight, ln_bias(norm), norm.eps,
+    return layer_norm_kernels.layer_norm(gemm.linear(x, call.dense), norm.weight, ln_bias(norm), ln_eps(norm),
                                          residual=residual)
 
 
@@ -100,7 +100,7 @@ def dense_residual_layer_norm(x: torch.Tensor, residual: torch.Tensor, dense: nn
 
 
 def _triton_norm(call: Call, x: torch.Tensor) -> torch.Tensor:
-    return layer_norm_kernels.layer_norm(x, call.norm.weight, ln_bias(call.norm), call.norm.eps)
+    return layer_norm_kernels.layer_norm(x, call.norm.weight, ln_bias(call.norm), ln_eps(call.norm))
 
 
 def _torch_norm(call: Call, x: torch.Tensor) -> torch.Tensor:
@@ -138,9 +138,9 @@ def dense_residual(x: torch.Tensor, residual: torch.Tensor, dense: nn.Module, dr
 def _triton_act(call: Call, x: torch.Tensor) -> torch.Tensor:
     norm, dense = call.norm, call.dense
     if is_plain(dense, nn.Linear, x.device):  # (the bias, like the activation, in the kernel)
-        return layer_norm_kernels.layer_norm(F.linear(x, dense.weight), norm.weight, ln_bias(norm), norm.eps,
+        return layer_norm_kernels.layer_norm(F.linear(x, dense.weight), norm.weight, ln_bias(norm), ln_eps(norm),
                                              bias=dense.bias, activation=call.activation)
-    return layer_norm_kernels.layer_norm(dense(x), norm.weight, ln_bias(norm), norm.eps, activation=call.activation)
+    return layer_norm_kernels.layer_norm(dense(x), norm.weight, ln_bias(norm), ln_eps(norm), activation=call.activation)
 
 
 def _torch_act(call: Call, x: torch.Tensor) -> torch.Tensor:

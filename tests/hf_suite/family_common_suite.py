@@ -1,6 +1,6 @@
 """transformers' *common* model tests (``ModelTesterMixin``, ~300 tests per model class) for the other families
-fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT, ModernBERT, MPNet and
-DeBERTa-v2,
+fastbert covers: RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, GTE, NomicBERT, ModernBERT, MPNet,
+DeBERTa and DeBERTa-v2,
 every head class of each, on tiny configs of our own (as ``bert_common_suite.py`` does for BERT; transformers' per-model
 test files are not in its sdist).
 
@@ -170,4 +170,19 @@ class FastbertDebertaV2CommonTest(ModelTesterMixin, unittest.TestCase):
             self, transformers.DebertaV2Config, 1, **_BERT_SHAPED, relative_attention=True, position_buckets=4,
             max_relative_positions=8, pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
             position_biased_input=False, type_vocab_size=0, pad_token_id=0,
+        )
+
+
+@require_torch
+class FastbertDebertaCommonTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = tuple(getattr(transformers, "Deberta" + head) for head in
+                              ("Model", "ForMaskedLM", "ForQuestionAnswering", "ForSequenceClassification",
+                               "ForTokenClassification"))
+
+    def setUp(self):
+        # v1: in_proj with q and v biases, distances clamped at 8 (shorter than the test sequences), both terms,
+        # absolute positions and 2 token types
+        self.model_tester = TinyTester(
+            self, transformers.DebertaConfig, 2, **_BERT_SHAPED, relative_attention=True, max_relative_positions=4,
+            pos_att_type=["c2p", "p2c"], type_vocab_size=2, pad_token_id=0,
         )

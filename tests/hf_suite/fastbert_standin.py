@@ -1,6 +1,6 @@
 """pytest plugin: run transformers' own model tests with fastbert standing in for transformers' BERT-family models
 (``BertModel``, ``RobertaModel``, ``XLMRobertaModel``, ``CamembertModel``, ``ElectraModel``, ``DistilBertModel``, ``GteModel``,
-``NomicBertModel``, ``ModernBertModel``, ``MPNetModel``, ``DebertaV2Model``).
+``NomicBertModel``, ``ModernBertModel``, ``MPNetModel``, ``DebertaV2Model``, ``DebertaModel``).
 
 Load it with ``-p fastbert_standin`` (this directory on PYTHONPATH) and pick the mode with an environment variable:
 
@@ -55,6 +55,7 @@ FAMILIES = (
     ("modernbert", "modeling_modernbert", "ModernBertModel"),
     ("mpnet", "modeling_mpnet", "MPNetModel"),
     ("deberta_v2", "modeling_deberta_v2", "DebertaV2Model"),
+    ("deberta", "modeling_deberta", "DebertaModel"),
 )
 
 

@@ -33,7 +33,7 @@ MODES = ("none", "rebind", "optimize")
 # transformers' per-model test files, run when the tree has them (a checkout; the sdist does not ship them)
 MODEL_TESTS = tuple(f"tests/models/{family}/test_modeling_{family}.py"
                     for family in ("bert", "roberta", "xlm_roberta", "camembert", "electra", "distilbert", "gte", "nomic_bert",
-                                   "modernbert", "mpnet", "deberta_v2"))
+                                   "modernbert", "mpnet", "deberta_v2", "deberta"))
 OWN_SUITES = ("bert_common_suite.py", "family_common_suite.py")
 FAILING = ("failed", "error")
 
