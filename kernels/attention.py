@@ -156,7 +156,7 @@ def _attention_fwd_kernel(
     HAS_C2P: tl.constexpr,  # add c2p[h, i, index[i - j]] to the unscaled scores (DeBERTa)
     HAS_P2C: tl.constexpr,  # add p2c[h, j, index[i - j]] to the unscaled scores (DeBERTa)
     MASK_QUERIES: tl.constexpr,  # (HAS_MASK, no HAS_BOUND) a padding query scores every key 0: it averages them all,
-    # as transformers' DeBERTa does with its [B, 1, S, S] mask
+    # as transformers' DeBERTa does with its [B, 1, S, S] mask (the launcher's mask_queries)
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 operands: "ieee" or "tf32"
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per inner step
@@ -278,7 +278,8 @@ def _attention_fwd_kernel(
 
 
 def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_seqlen, batch, seq_len, window=None,
-                      columns=None, relative_bias=None, c2p=None, p2c=None, rel_index=None, scale=None):
+                      columns=None, relative_bias=None, c2p=None, p2c=None, rel_index=None, scale=None,
+                      mask_queries=False):
     """The launch both layouts share; their launchers (``_attention_padded_launch`` below, ``attention_varlen.py``'s)
     have checked the arguments and allocated ``out``."""
     varlen = cu_seqlens is not None
@@ -291,7 +292,8 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
     table = c2p if c2p is not None else p2c
     q, k, v = qkv.unbind(-3)  # views: same strides, pointers one "3" stride apart
     mask, bounds = key_padding_mask, key_bounds
-    if tables and mask is not None:  # (a padding query averages every key: the loop runs to seq_len)
+    mask_queries = mask_queries and mask is not None
+    if mask_queries:  # (a padding query averages every key: the loop runs to seq_len)
         bounds = None
     # Full key blocks need no bound check. 16-bit only: fp32 is the exact path, not the fast one, and its EVEN_N
     # builds spill on sm_90 (ptxas 13.4: 32 bytes per thread at D = 128 "ieee" with a mask; the checked loop: none).
@@ -336,7 +338,7 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
         HAS_REL_BIAS=relative_bias is not None,
         HAS_C2P=c2p is not None,
         HAS_P2C=p2c is not None,
-        MASK_QUERIES=tables and mask is not None,
+        MASK_QUERIES=mask_queries,
         INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
         **config,
     )
@@ -344,26 +346,28 @@ def _attention_launch(qkv, out, key_padding_mask, key_bounds, cu_seqlens, max_se
 
 
 def _attention_padded_launch(qkv, key_padding_mask, key_bounds, window=None, relative_bias=None, c2p=None, p2c=None,
-                             rel_index=None, scale=None) -> torch.Tensor:
+                             rel_index=None, scale=None, mask_queries=False) -> torch.Tensor:
     _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p, p2c, rel_index, scale)
     batch, seq_len, _, heads, head_dim = qkv.shape
     out = torch.empty((batch, seq_len, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     return _attention_launch(qkv, out, key_padding_mask, key_bounds, None, seq_len, batch, seq_len, window,
-                             relative_bias=relative_bias, c2p=c2p, p2c=p2c, rel_index=rel_index, scale=scale)
+                             relative_bias=relative_bias, c2p=c2p, p2c=p2c, rel_index=rel_index, scale=scale,
+                             mask_queries=mask_queries)
 
 
 @torch.library.custom_op("fastbert::attention", mutates_args=())
 def _attention_op(
     qkv: torch.Tensor, key_padding_mask: torch.Tensor | None, key_bounds: torch.Tensor | None, window: int | None,
     relative_bias: torch.Tensor | None, c2p: torch.Tensor | None = None, p2c: torch.Tensor | None = None,
-    rel_index: torch.Tensor | None = None, scale: float | None = None,
+    rel_index: torch.Tensor | None = None, scale: float | None = None, mask_queries: bool = False,
 ) -> torch.Tensor:
     return _attention_padded_launch(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p, p2c, rel_index,
-                                    scale)
+                                    scale, mask_queries)
 
 
 @_attention_op.register_fake
-def _(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p=None, p2c=None, rel_index=None, scale=None):
+def _(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p=None, p2c=None, rel_index=None, scale=None,
+      mask_queries=False):
     _check_attention(qkv, key_padding_mask, key_bounds, window, relative_bias, c2p, p2c, rel_index, scale)
     batch, seq_len, _, heads, head_dim = qkv.shape
     return qkv.new_empty((batch, seq_len, heads, head_dim))
@@ -373,6 +377,7 @@ def attention(
     qkv: torch.Tensor, key_padding_mask: torch.Tensor | None = None, key_bounds: torch.Tensor | None = None,
     window: int | None = None, relative_bias: torch.Tensor | None = None, c2p: torch.Tensor | None = None,
     p2c: torch.Tensor | None = None, rel_index: torch.Tensor | None = None, scale: float | None = None,
+    mask_queries: bool = False,
 ) -> torch.Tensor:
     """Padded layout: qkv [B, S, 3, H, D], key_padding_mask [B, S] bool (True = real token) or None, key_bounds [B]
     int32 or None -> out [B, S, H, D], contiguous, qkv's dtype. Same semantics as ``attention_ref``.
@@ -386,7 +391,8 @@ def attention(
     are never loaded. relative_bias: None, or float32 [H, 2R + 1], contiguous: bias[h, clamp(j - i, -R, R) + R] is
     added to the scaled score of key j for query i (a per-head table of the distance, read as a gather; no [H, S, S]
     tensor is formed). c2p, p2c [H, B * S, R], rel_index [2C + 1] int32 and scale: DeBERTa's terms (the module's
-    docstring), gathered per score.
+    docstring), gathered per score. mask_queries: a padding query (False in key_padding_mask) averages every value
+    of its row instead of attending to the real keys, as transformers' DeBERTa's [B, 1, S, S] mask makes it.
 
     qkv is read through its strides (typically ``gemm_out.view(B, S, 3, H, D)`` of the fused QKV projection
     [B*S, 3*H*D]; only the head dim must have stride 1): no transpose copy. D <= 128, any value. Padded query rows
@@ -394,4 +400,4 @@ def attention(
     fp32 on CUDA multiplies in TF32 only where torch allows it for fp32 matmuls (``allow_tf32``/``fp32_precision``).
     """
     return launch_or_op(_attention_padded_launch, _attention_op, qkv, key_padding_mask, key_bounds, window,
-                        relative_bias, c2p, p2c, rel_index, scale)
+                        relative_bias, c2p, p2c, rel_index, scale, mask_queries)

@@ -68,6 +68,22 @@ def test_kernel_and_torch_paths_agree(fastbert_env, assert_matches_hf):
     assert_matches_hf(*(o.last_hidden_state for o in kernel), mask)
 
 
+@pytest.mark.parametrize("conv", [0, 3], ids=["v3", "v2-conv"])
+def test_dense_right_padding_as_bounds_alone(conv, monkeypatch, assert_matches_hf):
+    """unpad=False with a right-padded mask turned into key bounds alone (what a GPU model does with CPU inputs):
+    padding rows are still zeroed before the convolution and padding queries still average every value."""
+    from fastbert import inputs, padding
+
+    to_device = inputs._to_device
+    monkeypatch.setattr(inputs, "_to_device", lambda model, indices, layout: to_device(
+        model, indices, padding.bounds_only(layout)))
+    models = config_trio(deberta_config(**SMALL, conv_kernel_size=conv, conv_act="gelu"), unpad=False)
+    input_ids = torch.randint(1, 99, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(12) < torch.tensor([[12], [7], [3]])).long()
+    outs = run(models, input_ids.masked_fill(mask == 0, 0), attention_mask=mask)
+    assert_matches_hf(*(o.last_hidden_state for o in outs))  # (every position, padding too)
+
+
 def test_forward_packed_matches_the_padded_batch():
     """forward_packed: each sequence measured from its own first token, as alone in a batch."""
     fast = config_trio(deberta_config(**SMALL))[0]
@@ -169,3 +185,17 @@ def test_quantize_with_the_guard(checkpoints, measurements_kept):
     with torch.inference_mode():
         got, expected = model(**batch).last_hidden_state, fp32(**batch).last_hidden_state
     assert cosines(got, expected)[batch["attention_mask"].bool()].min() > 0.97
+
+
+def test_layer_norm_classes_read_as_layer_norms():
+    """ops.layer_norm reads an exact nn.LayerNorm (with or without affine parameters) and a registered family class
+    (DeBERTa v1's DebertaLayerNorm, eps under another name) as F.layer_norm; the module's own result either way."""
+    from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
+
+    from fastbert.ops import layer_norm
+
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    deberta_norm = DebertaLayerNorm(8, eps=1e-5)
+    torch.nn.init.normal_(deberta_norm.weight), torch.nn.init.normal_(deberta_norm.bias)
+    for norm in (torch.nn.LayerNorm(8), torch.nn.LayerNorm(8, elementwise_affine=False), deberta_norm):
+        torch.testing.assert_close(layer_norm(norm, x), norm(x), rtol=1e-5, atol=1e-6)

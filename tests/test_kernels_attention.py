@@ -359,9 +359,13 @@ KERNEL_VARIANTS = {  # (mask, bounds, even_n, varlen, window, columns, bias, DeB
     # MPNet's relative bias: packed (columns), and dense with mask + bounds
     "varlen+bias": (False, False, False, True, False, True, True, False),
     "mask+bounds+bias": (True, True, False, False, False, False, True, False),
-    # DeBERTa's c2p and p2c tables: packed (columns), and dense with a mask (its padding queries masked too)
+    # DeBERTa's c2p and p2c tables: packed (columns), dense with a mask (its padding queries masked too; full key
+    # blocks in 16-bit when S is a multiple of BLOCK_N) and dense without padding
     "varlen+tables": (False, False, False, True, False, True, False, True),
     "mask+tables": (True, False, False, False, False, False, False, True),
+    "even_n+mask+tables": (True, False, True, False, False, False, False, True),
+    "tables": (False, False, False, False, False, False, False, True),
+    "even_n+tables": (False, False, True, False, False, False, False, True),
 }
 
 

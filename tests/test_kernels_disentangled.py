@@ -86,7 +86,7 @@ def test_padded_masks_queries_too(device, dtype):
     mask = torch.ones(batch, seq_len, dtype=torch.bool)
     mask[1, 11:], mask[2, :4] = False, False
     c2p, p2c, index = tables(batch * seq_len, seq_len, ("c2p", "p2c"), dtype, device)
-    out = attention(qkv, mask.to(device), None, None, None, c2p, p2c, index, SCALE).cpu()
+    out = attention(qkv, mask.to(device), None, None, None, c2p, p2c, index, SCALE, mask_queries=True).cpu()
     args = dict(c2p=c2p.cpu(), p2c=p2c.cpu(), rel_index=index.cpu(), scale=SCALE)
     ref32 = attention_ref(qkv.cpu().float(), mask, **{**args, "c2p": c2p.cpu().float(), "p2c": p2c.cpu().float()})
     same = attention_ref(qkv.cpu(), mask, upcast=False, **args)
@@ -94,6 +94,18 @@ def test_padded_masks_queries_too(device, dtype):
     values = qkv.cpu().float()[:, :, 2]  # [B, S, H, D]
     torch.testing.assert_close(out[1, 15].float(), values[1].mean(0), atol=2e-2 if dtype != torch.float32 else 1e-5,
                                rtol=0)
+
+
+def test_padded_masks_queries_without_tables(device):
+    """A DeBERTa layer without position terms (relative_attention off): its scale, and padding queries averaging
+    every value, still."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 9, 3, HEADS, 16, generator=g).to(device)
+    mask = torch.tensor([[True] * 9, [True] * 4 + [False] * 5])
+    out = attention(qkv, mask.to(device), None, None, None, None, None, None, SCALE, mask_queries=True).cpu()
+    ref = attention_ref(qkv.cpu(), mask, scale=SCALE)
+    torch.testing.assert_close(out[mask], ref[mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1, 6], qkv.cpu()[1, :, 2].mean(0), atol=1e-5, rtol=0)
 
 
 def test_bad_tables_raise(device):

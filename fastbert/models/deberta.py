@@ -46,7 +46,7 @@ class DisentangledSelfAttention(layers.Fused, hf.DisentangledSelfAttention):
         """pos_proj's and pos_q_proj's rows (called as modules: LoRA and hooks apply), transformers' scale."""
         types = self.pos_att_type
         scale = scale_of(self.attention_head_size, 1 + len(types))
-        if not self.relative_attention or positions.relative_rows is None or not {"c2p", "p2c"} & set(types):
+        if not self.relative_attention or positions.relative_rows is None or not ("c2p" in types or "p2c" in types):
             return disentangled.Disentangled(None, None, None, scale)
         rows = self.pos_dropout(positions.relative_rows)  # [R, hidden]
         return disentangled.Disentangled(self.pos_proj(rows) if "c2p" in types else None,

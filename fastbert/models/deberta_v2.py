@@ -46,7 +46,7 @@ class DisentangledSelfAttention(layers.Fused, hf.DisentangledSelfAttention):
         one) with transformers' scale: 1 / sqrt(head_dim * (1 + the number of active terms))."""
         types = self.pos_att_type
         scale = scale_of(self.attention_head_size, 1 + ("c2p" in types) + ("p2c" in types))
-        if not self.relative_attention or positions.relative_rows is None or not {"c2p", "p2c"} & set(types):
+        if not self.relative_attention or positions.relative_rows is None or not ("c2p" in types or "p2c" in types):
             return disentangled.Disentangled(None, None, None, scale)
         rows = self.pos_dropout(positions.relative_rows)  # [R, hidden]
         # The projections are the modules themselves (HF calls them on the rows too): LoRA and hooks apply.
@@ -85,7 +85,7 @@ class ConvLayer(layers.Fused, hf.ConvLayer):
     def fused(self, embeddings: torch.Tensor, residual: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
         """LayerNorm(residual + act(conv(embeddings))), the convolution over the padded batch's columns (zeros at
         padding, as transformers' masked embeddings are): [N, hidden] each -> [N, hidden]."""
-        padded = padding.unpack(embeddings, layout)  # [B, S, hidden]
+        padded = padding.unpack(embeddings, layout)  # [B, S, hidden] (zeros at padding: DebertaShapedModel.encode)
         out = self.conv(padded.permute(0, 2, 1)).permute(0, 2, 1)  # [B, S, hidden]
         out = ACT2FN[self.conv_act](self.dropout(padding.pack(out.contiguous(), layout)))
         return _zero_padding(norm.layer_norm(residual + out, self.LayerNorm), layout)
@@ -170,9 +170,10 @@ def _zero_padding(x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
     """x [B * S, hidden] of a dense layout with zeros in its padding rows, as transformers multiplies the embeddings
     and the convolution's output by the mask (what a head reading a padding position sees with unpad=False); packed
     layouts have no padding rows."""
-    if layout.packed or layout.key_padding_mask is None:
+    keys = None if layout.packed else layout.key_mask()  # (the mask, or the bounds a right-padded one became)
+    if keys is None:
         return x
-    keep = layout.key_padding_mask.reshape(-1, 1).to(x.dtype)  # [B * S, 1], then the spare rows as they are
+    keep = keys.reshape(-1, 1).to(x.dtype)  # [B * S, 1], then the spare rows as they are
     return x * (torch.cat([keep, keep.new_ones(layout.spare_rows, 1)]) if layout.spare_rows else keep)
 
 

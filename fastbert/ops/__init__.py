@@ -75,7 +75,8 @@ def layer_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     otherwise."""
     if not is_plain(norm, ln_class(norm), x.device):
         return norm(x)
-    return F.layer_norm(x, norm.weight.shape, norm.weight, norm.bias, ln_eps(norm))
+    shape = norm.normalized_shape if isinstance(norm, nn.LayerNorm) else norm.weight.shape
+    return F.layer_norm(x, shape, norm.weight, norm.bias, ln_eps(norm))
 
 
 def ln_bias(norm: nn.LayerNorm) -> torch.Tensor:

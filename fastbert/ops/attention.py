@@ -199,16 +199,16 @@ def _attention_sdpa(heads: torch.Tensor, layout: TokenLayout, dropout_p: float, 
         mask = bias if mask is None else (bias + mask if mask.dtype != torch.bool
                                           else bias.masked_fill(~mask, torch.finfo(q.dtype).min))
     scale = None
-    if disentangled is not None and keys is not None:
-        # DeBERTa masks queries too ([B, 1, S, S] = mask_i mask_j in transformers): a padding row's scores are all
-        # the dtype's minimum, so it averages every value, as there
-        mask = _additive(keep & keys[:, None, :, None], q.dtype)
     if disentangled is not None:  # [B, H, S, S], scaled as the scores are
         scale, bias = disentangled.scale, position_terms.batch_bias(disentangled, layout.batch, layout.seq_len)
         if bias is not None:
             bias = bias.to(q.dtype) * scale
             mask = bias if mask is None else bias + mask
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)  # [B, H, S, D]
+    if disentangled is not None and keys is not None:
+        # DeBERTa masks queries too ([B, 1, S, S] = mask_i mask_j in transformers): a padding query's scores are all
+        # the dtype's minimum there, so it averages every value
+        out = torch.where(keys[:, None, :, None], out, v.mean(dim=2, keepdim=True))
     return out.transpose(1, 2)
 
 
@@ -294,8 +294,10 @@ def _triton_run(call, heads, layout, dropout_p, window, relative_bias, disentang
         return triton_varlen.attention_varlen(heads, layout.cu_seqlens, layout.max_seqlen, window, columns,
                                               relative_bias, *tables)
     padded = heads.view(layout.batch, layout.seq_len, *heads.shape[1:])
-    return triton_attention.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias,
-                                      *tables)
+    if disentangled is not None:  # (DeBERTa masks padding queries too: the kernel reads the mask, not the bounds)
+        return triton_attention.attention(padded, layout.key_mask(), None, window, relative_bias, *tables,
+                                          mask_queries=True)
+    return triton_attention.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias)
 
 
 def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
