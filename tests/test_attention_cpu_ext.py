@@ -211,5 +211,5 @@ def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurem
     assert "slower than torch's SDPA on this CPU at 512 tokens (90.0 vs 100.0 GFLOP/s)" in reasons["attention"][0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        call = attention.Call(8, False, (), torch.device("cpu"), torch.float32)
+        call = attention.Call(8, (), torch.device("cpu"), torch.float32)
         assert dispatch.decide("attention", attention.BACKENDS, call).backend.name == "torch"

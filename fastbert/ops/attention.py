@@ -271,7 +271,6 @@ def _attention_packed_via_padded_sdpa(heads: torch.Tensor, layout: TokenLayout, 
 @dataclasses.dataclass(frozen=True)
 class Call:
     head_dim: int
-    disentangled: bool  # DeBERTa's position tables come with the call
     reasons: tuple[str, ...]  # why only torch's differentiable SDPA may run it (gradients, dropout, a trainable bias)
     device: torch.device
     dtype: torch.dtype
@@ -359,8 +358,7 @@ def _decide(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: fl
     reasons = dispatch.needs_reference(qkv, relative_bias, *tables, dropout_p=dropout_p)
     op, backends = ("attention", BACKENDS) if disentangled is None else ("disentangled_attention",
                                                                          DISENTANGLED_BACKENDS)
-    return dispatch.decide(op, backends, Call(head_dim, disentangled is not None, tuple(reasons), qkv.device,
-                                              qkv.dtype))
+    return dispatch.decide(op, backends, Call(head_dim, tuple(reasons), qkv.device, qkv.dtype))
 
 
 def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0,
