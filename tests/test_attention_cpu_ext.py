@@ -202,8 +202,8 @@ def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurem
     assert figures["source"] == "measured" and set(figures["torch"]) == set(figures["cpu-ext"]) == {128, 512}
     assert fastbert.info()["cpu_attention"]["measured_gflops"] == figures
     store = json.loads((tmp_path / "cpu_gemm.json").read_text())
-    store[cpu._key(f"{torch.float32} attention")] = {"torch": {"128": 100.0, "512": 100.0},
-                                                     "cpu-ext": {"128": 120.0, "512": 90.0}}
+    store[cpu._key(cpu.ATTENTION_MEASUREMENT)] = {"torch": {"128": 100.0, "512": 100.0},
+                                                 "cpu-ext": {"128": 120.0, "512": 90.0}}
     (tmp_path / "cpu_gemm.json").write_text(json.dumps(store))
     monkeypatch.setattr(cpu, "_figures", {})
     backends, reasons = dispatch.report(torch.device("cpu"), torch.float32)

@@ -84,7 +84,7 @@ def test_a_broken_file_is_rewritten(empty_store, content, measurements_kept):
 def test_forwards_info_and_quantize_survive_a_malformed_store(empty_store, bert_trio):
     """What broke every process before: a well-formed JSON entry of the wrong type for each measurement."""
     key = cpu._key
-    empty_store.write_text(json.dumps({key(GEMM[0]): {"torch": "x"}, key(f"{torch.float32} attention"): [],
+    empty_store.write_text(json.dumps({key(GEMM[0]): {"torch": "x"}, key(cpu.ATTENTION_MEASUREMENT): [],
                                        key(f"{torch.float32} int8 w8"): {"int8": None},
                                        key(f"{torch.float32} int8 w7"): 3}))
     model = bert_trio().fast
