@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
@@ -16,6 +17,7 @@
 #include "attention_cpu.h"
 #include "embedding_layer_norm.h"
 #include "fingerprint.h"
+#include "layer_norm_cpu.h"
 #include "quantize_cpu.h"
 
 namespace py = pybind11;
@@ -144,6 +146,22 @@ void quantize_per_token_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, 
                                    reinterpret_cast<float*>(scales), num_threads);
 }
 
+void layer_norm_cpu(std::uintptr_t x, std::uintptr_t y, std::uintptr_t weight, std::uintptr_t bias, int64_t rows,
+                    int64_t cols, double eps, std::uintptr_t q, std::uintptr_t smooth, double scale,
+                    int64_t zero_point, int num_threads) {
+  if (rows < 0 || cols < 0) throw std::invalid_argument("rows and cols must be >= 0");
+  if (rows * cols > 0 && (!x || !y)) throw std::invalid_argument("null data pointer");
+  if (q && (!(scale > 0.0) || !std::isfinite(scale) || zero_point < 0 || zero_point > 255)) {
+    throw std::invalid_argument("scale must be finite and > 0, zero_point in [0, 255]");
+  }
+  if (rows * cols == 0) return;
+  fastbert::layer_norm_cpu({reinterpret_cast<const float*>(x), reinterpret_cast<float*>(y),
+                            reinterpret_cast<const float*>(weight), reinterpret_cast<const float*>(bias), rows, cols,
+                            static_cast<float>(eps), reinterpret_cast<uint8_t*>(q),
+                            reinterpret_cast<const float*>(smooth), scale, zero_point},
+                           num_threads);
+}
+
 // "" when the CUDA kernel can run on the current device, else why not.
 std::string cuda_probe() {
 #if defined(FASTBERT_WITH_CUDA)
@@ -244,6 +262,14 @@ PYBIND11_MODULE(_C, m) {
         "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), each row with its own "
         "symmetric scale, written to scales [rows] float32 (quantize_cpu.h).",
         py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("smooth"), py::arg("scales"),
+        py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+
+  m.def("layer_norm_cpu", &layer_norm_cpu,
+        "y [rows, cols] = LayerNorm of float32 x's rows * weight + bias (either 0: none), and, when q is not 0, "
+        "u8 q [rows, cols] of y (divided by smooth [cols] when not 0) with the given scale and zero point, the same "
+        "bytes as quantize_static_cpu of y (layer_norm_cpu.h).",
+        py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("rows"), py::arg("cols"),
+        py::arg("eps"), py::arg("q"), py::arg("smooth"), py::arg("scale"), py::arg("zero_point"),
         py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
 
   m.def("quantize_cpu_available", &fastbert::quantize_cpu_available,

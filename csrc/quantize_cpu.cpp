@@ -272,16 +272,23 @@ void quantize_static_cpu(const QuantizeCpuArgs& a, double scale, int64_t zero_po
     throw std::invalid_argument("scale must be finite and > 0, zero_point in [0, 255]");
   }
 #if defined(FASTBERT_X86_QUANTIZE)
-  const bool wide = has_avx512();
-  // (alpha and shift as quantize_per_call_cpu derives them from its scale and zero point)
-  const float alpha = static_cast<float>(1.0 / scale), shift = static_cast<float>(zero_point - 128);
 #pragma omp parallel for schedule(static) num_threads(threads_for(a.rows * a.cols, num_threads))
   for (int64_t i = 0; i < a.rows; ++i) {
-    if (wide) per_call_512(a.x + i * a.cols, a.smooth, a.cols, alpha, shift, a.out + i * a.cols);
-    else per_call_256(a.x + i * a.cols, a.smooth, a.cols, alpha, shift, a.out + i * a.cols);
+    quantize_static_row(a.x + i * a.cols, a.smooth, a.cols, scale, zero_point, a.out + i * a.cols);
   }
 #else
   (void)num_threads;
+#endif
+}
+
+void quantize_static_row(const float* x, const float* smooth, int64_t cols, double scale, int64_t zero_point,
+                         uint8_t* out) {
+#if defined(FASTBERT_X86_QUANTIZE)
+  const float alpha = static_cast<float>(1.0 / scale), shift = static_cast<float>(zero_point - 128);
+  if (has_avx512()) per_call_512(x, smooth, cols, alpha, shift, out);
+  else per_call_256(x, smooth, cols, alpha, shift, out);
+#else
+  (void)x, (void)smooth, (void)cols, (void)scale, (void)zero_point, (void)out;
 #endif
 }
 

@@ -30,6 +30,11 @@ void quantize_per_call_cpu(const QuantizeCpuArgs& args, double* scale, int64_t* 
 // Static: quantizes every row with the given scale and zero point (values past its range saturate at 0 and 255).
 void quantize_static_cpu(const QuantizeCpuArgs& args, double scale, int64_t zero_point, int num_threads);
 
+// One row of quantize_static_cpu, the same bytes: for an op that writes the u8 of each row as it writes the row
+// (layer_norm_cpu.h). The caller has checked scale and zero point (quantize_static_cpu's rule) and the CPU.
+void quantize_static_row(const float* x, const float* smooth, int64_t cols, double scale, int64_t zero_point,
+                         uint8_t* out);
+
 // Per token: quantizes each row with a scale of its own, written to scales [rows].
 void quantize_per_token_cpu(const QuantizeCpuArgs& args, float* scales, int num_threads);
 

@@ -27,7 +27,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import _extension
+from . import _extension, int8_handoff
 from .cpu_gemm import EPILOGUES
 from .kernels.activation import activation_ref
 
@@ -275,7 +275,10 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
         y = y if residual is None else y.add_(residual)
         return y if activation is None else activation_ref(y, activation)
     if static is not None:
-        (scale, zero_point), q = static, quantize_static(x, *static, weight.smooth)
+        # (the u8 the op producing x wrote in the same pass, where it did: int8_handoff.py)
+        scale, zero_point = static
+        q = int8_handoff.take(x, scale, zero_point, weight.smooth)
+        q = quantize_static(x, scale, zero_point, weight.smooth) if q is None else q
     else:
         q, scale, zero_point = quantize_activation(x, x.shape[0] if rows is None else rows, weight.smooth)
     if residual is not None:

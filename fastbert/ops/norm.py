@@ -7,7 +7,9 @@
 
 Reference: ``kernels/layer_norm.py``'s ``layer_norm_ref`` (statistics in fp32). Backends, for the ops ``layer_norm``
 and ``act_layer_norm``: triton (the GEMM without its bias, then one kernel adding bias, residual or activation and
-normalizing; on a GPU cuBLAS's bias epilogue keeps the GEMM one kernel), torch (the GEMM op, with the residual or the
+normalizing; on a GPU cuBLAS's bias epilogue keeps the GEMM one kernel), cpu-ext (post-norm blocks of a model
+``fastbert.quantize`` made int8: the GEMM op, then fastbert._C's LayerNorm, csrc/layer_norm_cpu.h, which also writes
+the u8 of its output that the next int8 GEMM reads, ``int8_handoff.py``), torch (the GEMM op, with the residual or the
 activation in its epilogue where its backend has one, then F.layer_norm, or the modules where they are not plain).
 A pre-norm block's sum and its normalization are two outputs the block needs (the next sub-block reads both): the
 GEMM writes the sum and the LayerNorm reads it once, so a kernel storing both from one pass would move the same
@@ -20,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import dispatch
-from ..dispatch import Backend
+from .. import _extension, dispatch, int8, int8_handoff
+from ..dispatch import Backend, ByDesign
 from ..kernels import layer_norm as layer_norm_kernels
 from ..kernels.activation import ACTIVATIONS, BIAS_ACT_KINDS
 from ..plain import has_hooks, is_plain
@@ -81,8 +83,67 @@ def _torch_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torc
     return call.norm(call.dropout(gemm.linear(x, call.dense)) + residual)
 
 
+# --- fastbert._C's LayerNorm (csrc/layer_norm_cpu.h): float32 on the CPU, writing the next int8 GEMM's u8 too ----------
+
+
+def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                   quantize: int8_handoff.Target | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [rows, cols] float32 -> (LayerNorm(x) * weight + bias [rows, cols], u8 [rows, cols] of that with
+    ``quantize``'s static scale, or None): ``int8_linear.quantize_static``'s bytes of the first output."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"x must be a float32 CPU tensor [rows, cols], got {tuple(x.shape)} {x.dtype} on {x.device}")
+    x = x.contiguous()
+    for name, t in (("weight", weight), ("bias", bias)) + (("smooth", quantize and quantize.smooth),):
+        if t is not None and (t.dtype != torch.float32 or t.shape != (x.shape[1],) or t.device.type != "cpu"):
+            raise ValueError(f"{name} must be float32 [{x.shape[1]}] on the CPU, got {tuple(t.shape)} {t.dtype}")
+    y = torch.empty_like(x)
+    q = None if quantize is None else torch.empty(x.shape, dtype=torch.uint8)
+    weight, bias = (None if t is None else t.detach().contiguous() for t in (weight, bias))
+    smooth = None if quantize is None or quantize.smooth is None else quantize.smooth.contiguous()
+    _extension._C.layer_norm_cpu(
+        x.data_ptr(), y.data_ptr(), 0 if weight is None else weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        x.shape[0], x.shape[1], eps, 0 if q is None else q.data_ptr(), 0 if smooth is None else smooth.data_ptr(),
+        1.0 if quantize is None else quantize.scale, 0 if quantize is None else quantize.zero_point,
+        torch.get_num_threads())
+    return y, q
+
+
+def layer_norm_cpu_unavailable_reasons() -> list[str]:
+    """Why fastbert._C's LayerNorm cannot run here ([] when it can)."""
+    _C = _extension._C
+    if _C is None:
+        return [_extension._IMPORT_ERROR]
+    if not hasattr(_C, "layer_norm_cpu"):
+        return ["fastbert._C predates the CPU LayerNorm; reinstall fastbert"]
+    if not _C.quantize_cpu_available():
+        return ["fastbert's CPU LayerNorm needs an x86-64 CPU with AVX2 and FMA"]
+    return []
+
+
+def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
+    if device.type != "cpu" or dtype != torch.float32:
+        return [ByDesign("fastbert._C's LayerNorm runs float32 on the CPU")]
+    return layer_norm_cpu_unavailable_reasons()
+
+
+def _cpu_why_not(call: Call) -> list[str]:
+    if call.dense is None or int8.chosen(call.dense) is None or int8.unavailable_reasons():
+        return [ByDesign("fastbert._C's LayerNorm runs where the GEMM before it runs int8 (fastbert.quantize; it writes "
+                         "the next int8 GEMM's input in the same pass); elsewhere torch's runs")]
+    return list(call.reasons)
+
+
+def _cpu_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    norm = call.norm
+    target = int8_handoff.target(norm)
+    y, q = layer_norm_cpu(gemm.linear(x, call.dense, residual=residual), norm.weight, norm.bias, ln_eps(norm), target)
+    int8_handoff.offer(norm, y, q, target)
+    return y
+
+
 RESIDUAL_BACKENDS = dispatch.register("layer_norm", [
     Backend("triton", run=_triton_residual, unavailable=dispatch.triton_unavailable, why_not=_why_not),
+    Backend("cpu-ext", run=_cpu_residual, unavailable=_cpu_unavailable, why_not=_cpu_why_not, devices=("cpu",)),
     Backend("torch", run=_torch_residual),
 ])
 
