@@ -223,6 +223,11 @@ class recording:
         _recording.ranges = self.outer
 
 
+def is_recording() -> bool:
+    """Whether a ``recording`` runs in this thread."""
+    return getattr(_recording, "ranges", None) is not None
+
+
 def record(linears: tuple[nn.Module, ...], x: torch.Tensor) -> None:
     """While ``recording``: the smallest and largest value of each input channel over the real tokens, per Linear."""
     ranges = getattr(_recording, "ranges", None)

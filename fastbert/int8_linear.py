@@ -234,11 +234,15 @@ def quantize_activation_per_token_ref(x: torch.Tensor, smooth: torch.Tensor | No
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bits: int,
                activation: str | None = None, residual: torch.Tensor | None = None,
                smooth: torch.Tensor | None = None, rows: int | torch.Tensor | None = None,
-               per_token: bool = False, static: tuple[float, int] | None = None) -> torch.Tensor:
-    """The same quantized math in float64 torch ops: what ``linear`` must compute up to fp32 rounding."""
+               per_token: bool = False, static: tuple[float, int] | None = None,
+               output: tuple[float, int] | None = None) -> torch.Tensor:
+    """The same quantized math in float64 torch ops: what ``linear`` must compute up to fp32 rounding (with
+    ``output``: the u8 of that, a level apart at most where float32's rounding crosses a tie)."""
     if per_token and static is not None:
         raise ValueError("an input is quantized per token or with a static scale, not both")
-    if per_token:
+    if x.dtype == torch.uint8:
+        (scale, zero_point), q = static, x
+    elif per_token:
         q, scale = quantize_activation_per_token_ref(x, smooth)
         zero_point, scale = 128, scale.double()
     elif static is not None:
@@ -251,22 +255,35 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         y = y + bias.double()
     if residual is not None:
         y = y + residual.double()
-    return y if activation is None else activation_ref(y, activation)
+    y = y if activation is None else activation_ref(y, activation)
+    if output is None:
+        return y
+    return (torch.round(y / output[0]) + output[1]).clamp_(0, 255).to(torch.uint8)
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation: str | None = None,
            residual: torch.Tensor | None = None, rows: int | torch.Tensor | None = None,
-           per_token: bool = False, static: tuple[float, int] | None = None) -> torch.Tensor:
+           per_token: bool = False, static: tuple[float, int] | None = None,
+           output: tuple[float, int] | None = None) -> torch.Tensor:
     """act(x @ W^T + b), or x @ W^T + b + residual, x quantized with the range of its ``rows`` (a count of leading
     rows, or [R] indices; None: all), or with one scale per token (``per_token``: finer, and every row's result is
     its own alone; the bias, activation and residual then run after the GEMM instead of in its epilogue), or with
-    the fixed (scale, zero point) ``static`` (no range taken: one pass less over x)."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] != weight.in_features:
-        raise ValueError(f"x must be float32 [tokens, {weight.in_features}], got {tuple(x.shape)} {x.dtype}")
+    the fixed (scale, zero point) ``static`` (no range taken: one pass less over x). A u8 x is the input already
+    quantized with ``static``. ``output``: (scale, zero point) of a u8 result, quantized by oneDNN after the
+    activation (the next GEMM's static input: no float32 result is written), float32 otherwise."""
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.uint8) or x.shape[1] != weight.in_features:
+        raise ValueError(f"x must be float32 (or u8, quantized) [tokens, {weight.in_features}], got {tuple(x.shape)} "
+                         f"{x.dtype}")
     if residual is not None and activation is not None:
         raise ValueError("the int8 linear fuses an activation or a residual add, not both")
     if per_token and static is not None:
         raise ValueError("an input is quantized per token or with a static scale, not both")
+    if x.dtype == torch.uint8 and static is None:
+        raise ValueError("a u8 x is an input already quantized: give its static (scale, zero point)")
+    if output is not None:
+        check_static(*output)
+        if per_token or residual is not None:
+            raise ValueError("a u8 output takes an input quantized per call or statically, and no residual")
     if per_token:
         q, scales = quantize_activation_per_token(x, weight.smooth)
         y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, weight.packed, weight.scales, weight.zero_points, None,
@@ -274,7 +291,9 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
         y = y if bias is None else y.add_(bias)
         y = y if residual is None else y.add_(residual)
         return y if activation is None else activation_ref(y, activation)
-    if static is not None:
+    if x.dtype == torch.uint8:
+        (scale, zero_point), q = static, x.contiguous()
+    elif static is not None:
         # (the u8 the op producing x wrote in the same pass, where it did: int8_handoff.py)
         scale, zero_point = static
         q = int8_handoff.take(x, scale, zero_point, weight.smooth)
@@ -286,8 +305,9 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
             q, scale, zero_point, weight.packed, weight.scales, weight.zero_points, residual.contiguous(), bias,
             1.0, 0, torch.float32, 1.0, 0, "add", 1.0, "none", [], "")
     attr, algorithm = EPILOGUES[activation] if activation is not None else ("none", "")
+    out_scale, out_zero_point, out_dtype = (1.0, 0, torch.float32) if output is None else (*output, torch.uint8)
     return torch.ops.onednn.qlinear_pointwise(q, scale, zero_point, weight.packed, weight.scales, weight.zero_points,
-                                              bias, 1.0, 0, torch.float32, attr, [], algorithm)
+                                              bias, out_scale, out_zero_point, out_dtype, attr, [], algorithm)
 
 
 def unavailable_reasons() -> list[str]:

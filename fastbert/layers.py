@@ -10,8 +10,8 @@ container), every module still has HF's exact ``forward``.
     per layer:                                                               FusedLayer
         qkv = x @ Wqkv + bqkv ; ctx = attention(q, k, v | layout)            FusedSelfAttention
         x   = LayerNorm(ctx @ Wo + bo + x)                                   FusedDenseResidualLayerNorm
-        h   = act(x @ Wi + bi)                                               FusedIntermediate
-        x   = LayerNorm(h @ Wo2 + bo2 + x)                                   FusedDenseResidualLayerNorm
+        h   = act(x @ Wi + bi)                                               FusedIntermediate  } ops/mlp.py: in int8,
+        x   = LayerNorm(h @ Wo2 + bo2 + x)                                   FusedDenseResidualLayerNorm } h as u8
 
 These mixins read BERT's module names, which RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA share; each family writes
 out its classes over them (``fastbert/models/bert.py``) and maps transformers' classes to its own with ``fused_map``.
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import derived, padding, plain, plan
-from .ops import activation, embedding, gemm, norm
+from .ops import activation, embedding, gemm, mlp, norm
 from .ops.attention import attention
 from .positions import Positions
 
@@ -105,7 +105,7 @@ class FusedLayer(Fused):
 
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
         x = self.attention.fused(x, layout, positions)
-        return self.output.fused(self.intermediate.fused(x), x)
+        return mlp.mlp(x, self.intermediate, self.output)  # (self.output.fused(self.intermediate.fused(x), x))
 
 
 class FusedEncoder(Fused):

@@ -143,3 +143,77 @@ def _layer_norm_backends(model) -> set[str]:
     """The backends the last forward's plan chose for the post-norm LayerNorms."""
     decisions = model.__dict__["_fastbert_plan"].decisions
     return {decision.backend.name for (_, op), decision in decisions.items() if op == "dense_residual_layer_norm"}
+
+
+# --- the MLP's first GEMM writing the second one's u8 (ops/mlp.py) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens, d_in, d_out", [(1, 3, 5), (7, 312, 600), (130, 64, 3072)])
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"])
+@pytest.mark.parametrize("first_scale", ["per-call", "static"])
+def test_u8_output_matches_the_reference(int8_on, tokens, d_in, d_out, activation, first_scale):
+    """The first GEMM's u8 result against float64's (a level apart at most, where float32's rounding of the
+    activation crosses a tie, and rarely); the second GEMM reading that u8 computes what it computes on the float32
+    activations its own static quantization would give those bytes."""
+    generator = torch.Generator().manual_seed(tokens + d_out)
+    x = torch.randn(tokens, d_in, generator=generator)
+    weight = torch.randn(d_out, d_in, generator=generator) * d_in ** -0.5
+    bias = 0.1 * torch.randn(d_out, generator=generator)
+    static = int8_linear.qparams(*(float(v) for v in torch.aminmax(x))) if first_scale == "static" else None
+    output = (0.7 / 255, 40)  # (a range that saturates some large activations)
+    bits = int8.weight_bits()
+    ref = int8_linear.linear_ref(x, weight, bias, bits, activation, static=static, output=output)
+    with torch.inference_mode():
+        q = int8_linear.linear(x, int8_linear.quantize_weight(weight, bits), bias, activation, static=static,
+                               output=output)
+    assert q.dtype == torch.uint8 and q.shape == (tokens, d_out)
+    apart = (q.int() - ref.int()).abs()
+    assert apart.max().item() <= 1 and apart.float().mean().item() < 1e-3
+    second = torch.randn(11, d_out, generator=generator) * d_out ** -0.5
+    packed = int8_linear.quantize_weight(second, bits)
+    dequantized = (q.float() - output[1]) * output[0]  # float32 activations quantizing to exactly q
+    with torch.inference_mode():
+        from_u8 = int8_linear.linear(q, packed, None, static=output)
+        from_float = int8_linear.linear(dequantized, packed, None, static=output)
+    assert torch.equal(int8_linear.quantize_static_ref(dequantized, *output), q)
+    assert torch.equal(from_u8, from_float)
+
+
+def test_u8_arguments_are_checked(int8_on):
+    packed = int8_linear.quantize_weight(torch.randn(4, 8), int8.weight_bits())
+    q = torch.zeros(3, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="already quantized"):
+        int8_linear.linear(q, packed, None)
+    with pytest.raises(ValueError, match="no residual"):
+        int8_linear.linear(torch.randn(3, 8), packed, None, residual=torch.randn(3, 4), output=(0.1, 0))
+    with pytest.raises(ValueError, match="static scale"):
+        int8_linear.linear(torch.randn(3, 8), packed, None, output=(0.0, 0))
+
+
+def _mlp_backends(model) -> set[str]:
+    decisions = model.__dict__["_fastbert_plan"].decisions
+    return {decision.backend.name for (_, op), decision in decisions.items() if op == "mlp"}
+
+
+def test_quantized_mlps_hand_u8_between_their_gemms(int8_on, kernel, monkeypatch):
+    """With static scales the MLP runs as one op, its activations as u8; the outputs are the composed ops' up to
+    those rare one-level differences. While the guard records the GEMM inputs' ranges, the composed ops run (the
+    second GEMM's float32 input is recorded); a per-call second input keeps the composed ops."""
+    model, ids = _static_model()
+    fused = _forward(model, ids)
+    assert _mlp_backends(model) == {"int8"}
+    from fastbert.ops import mlp
+
+    monkeypatch.setattr(mlp, "BACKENDS", mlp.BACKENDS[1:])
+    composed = _forward(model, ids)
+    monkeypatch.undo()
+    cosine = F.cosine_similarity(fused.flatten(0, 1), composed.flatten(0, 1), dim=-1)
+    assert cosine.min().item() > 0.9999 and not torch.equal(fused, torch.zeros_like(fused))
+    with int8.recording() as ranges, torch.inference_mode():
+        model(ids)
+    assert model.encoder.layer[1].output.dense in ranges
+    dense_out = model.encoder.layer[0].output.dense
+    choice = int8.chosen(dense_out)
+    int8.choose(dense_out, int8.Choice(choice.bits, choice.smooth))
+    _forward(model, ids)
+    assert _mlp_backends(model) == {"int8", "torch"}

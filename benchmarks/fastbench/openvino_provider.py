@@ -5,7 +5,8 @@
       -> openvino.Core().read_model
       -> nncf.quantize(model_type=TRANSFORMER): 8-bit weights and activations, calibrated here on fastbert's guard
          sentences (``fastbert/data/int8_guard.txt``) tokenized with a tokenizer of the model's vocabulary
-      -> compile_model("CPU"), INFERENCE_NUM_THREADS = torch.get_num_threads()
+      -> compile_model("CPU"), INFERENCE_NUM_THREADS = torch.get_num_threads(), its other settings its defaults
+         (on a CPU with bf16 arithmetic, AVX512_BF16 or AMX, that runs the float parts in bf16: the log says)
 
 Optional: skipped with a reason where openvino or nncf is not installed, and for models whose vocabulary has no
 tokenizer at hand to calibrate with (BERT's 30522: all-MiniLM-L6-v2's).
@@ -68,8 +69,11 @@ def build_openvino_int8(ms: ModelSet, opts, log=print):
             quantized = nncf.quantize(model, nncf.Dataset(_calibration(tokenizer)),
                                       model_type=nncf.ModelType.TRANSFORMER, subset_size=300)
     compiled = core.compile_model(quantized, "CPU", {"INFERENCE_NUM_THREADS": torch.get_num_threads()})
+    # (on CPUs with bf16 arithmetic OpenVINO runs what is not int8 — attention, softmax, LayerNorm — in bf16 unless
+    # asked for f32: said, as fastbert keeps them float32)
+    precision = compiled.get_property("INFERENCE_PRECISION_HINT")
     log(f"  openvino-int8: OpenVINO {ov.__version__}, NNCF {nncf.__version__} (transformer preset), calibrated on "
-        "the guard's sentences")
+        f"the guard's sentences; inference precision {precision} (its default here)")
 
     def forward(inputs):
         feed = {"input_ids": inputs["input_ids"].cpu().numpy(),

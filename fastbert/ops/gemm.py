@@ -95,13 +95,18 @@ def _int8_why_not(call: Call) -> list[str]:
     return [f"int8 GEMMs run in float32: {reason}" for reason in int8.unavailable_reasons()]
 
 
+def int8_weight(linear: nn.Linear) -> int8_linear.QuantizedWeight:
+    """A Linear chosen for int8: its quantized, prepacked weight (a derived cache)."""
+    choice = int8.chosen(linear)
+    return derived.cached(linear, "int8_weight", (linear.weight,), lambda w: int8_linear.quantize_weight(
+        w, choice.bits, choice.smooth))
+
+
 def _int8_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     choice, owner = int8.chosen(call.owner), call.owner
     int8.record(call.linears, x)
     if len(call.linears) == 1:
-        weight = derived.cached(owner, "int8_weight", (owner.weight,), lambda w: int8_linear.quantize_weight(
-            w, choice.bits, choice.smooth))
-        bias = owner.bias
+        weight, bias = int8_weight(owner), owner.bias
     else:
         def build(*params):
             weight, bias = stack(len(call.linears), *params)

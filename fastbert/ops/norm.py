@@ -133,12 +133,17 @@ def _cpu_why_not(call: Call) -> list[str]:
     return list(call.reasons)
 
 
-def _cpu_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    norm = call.norm
+def handing_off(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """norm(x) by fastbert._C's LayerNorm (``norm`` plain), with the u8 of it that the int8 GEMM reading it next took
+    last time (``int8_handoff.py``)."""
     target = int8_handoff.target(norm)
-    y, q = layer_norm_cpu(gemm.linear(x, call.dense, residual=residual), norm.weight, norm.bias, ln_eps(norm), target)
+    y, q = layer_norm_cpu(x, norm.weight, norm.bias, ln_eps(norm), target)
     int8_handoff.offer(norm, y, q, target)
     return y
+
+
+def _cpu_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return handing_off(call.norm, gemm.linear(x, call.dense, residual=residual))
 
 
 RESIDUAL_BACKENDS = dispatch.register("layer_norm", [
