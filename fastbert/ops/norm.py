@@ -148,7 +148,8 @@ def _cpu_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torch.
 
 RESIDUAL_BACKENDS = dispatch.register("layer_norm", [
     Backend("triton", run=_triton_residual, unavailable=dispatch.triton_unavailable, why_not=_why_not),
-    Backend("cpu-ext", run=_cpu_residual, unavailable=_cpu_unavailable, why_not=_cpu_why_not, devices=("cpu",)),
+    Backend("cpu-ext", run=_cpu_residual, unavailable=_cpu_unavailable, why_not=_cpu_why_not, devices=("cpu",),
+            opt_in=True),
     Backend("torch", run=_torch_residual),
 ])
 
