@@ -12,7 +12,9 @@ consumer now runs float32, has other scales, sits behind a hook or reads another
 never depends on a handoff: taken, q is the bytes the consumer's own quantization of y would give
 (``tests/test_int8_handoff.py``).
 
-One offer at a time per thread: the consumer reads y right after the producer wrote it (the next op of the layer).
+One offer at a time per thread: the consumer reads y right after the producer wrote it (the next op of the layer),
+and nothing writes y in between (the handoff is keyed on the tensor object). Whether an offer was taken is kept per
+thread, so concurrent forwards of one model do not judge each other's pending offers.
 """
 
 import threading
@@ -32,25 +34,41 @@ class Target(NamedTuple):
 
 
 class _Offer:
-    __slots__ = ("producer", "y", "q", "target", "taken")
+    __slots__ = ("producer", "y", "q", "target", "outcome")
 
-    def __init__(self, producer: nn.Module, y: torch.Tensor, q: torch.Tensor | None, target: Target | None):
-        self.producer, self.y, self.q, self.target = weakref.ref(producer), weakref.ref(y), q, target
+    def __init__(self, producer: nn.Module, y: torch.Tensor, q: torch.Tensor | None, target: Target | None,
+                 outcome: "_Outcome | None"):
+        self.producer, self.y, self.q = weakref.ref(producer), weakref.ref(y), q
+        self.target, self.outcome = target, outcome
+
+
+class _Outcome:
+    """Whether a producer's u8 was taken (no tensor held: the u8 lives only until its consumer reads it)."""
+
+    __slots__ = ("taken",)
+
+    def __init__(self):
         self.taken = False
 
 
 _targets: "weakref.WeakKeyDictionary[nn.Module, Target]" = weakref.WeakKeyDictionary()
-_last_offers: "weakref.WeakKeyDictionary[nn.Module, _Offer]" = weakref.WeakKeyDictionary()
-_thread = threading.local()  # .offer: this thread's latest _Offer
+_thread = threading.local()  # .offer: this thread's latest _Offer; .outcomes: {producer: _Outcome of its last u8}
+
+
+def _outcomes() -> "weakref.WeakKeyDictionary[nn.Module, _Outcome]":
+    outcomes = getattr(_thread, "outcomes", None)
+    if outcomes is None:
+        outcomes = _thread.outcomes = weakref.WeakKeyDictionary()
+    return outcomes
 
 
 def target(producer: nn.Module) -> Target | None:
-    """What ``producer`` should quantize its output with this call, or None. A producer whose last quantized output
-    went untaken loses its target (no u8 is written for nobody)."""
+    """What ``producer`` should quantize its output with this call, or None. A producer whose last u8 in this thread
+    went untaken loses its target (no u8 is written for nobody); its consumer teaches it again."""
     wanted = _targets.get(producer)
     if wanted is None:
         return None
-    last = _last_offers.get(producer)
+    last = _outcomes().get(producer)
     if last is not None and not last.taken:
         _targets.pop(producer, None)
         return None
@@ -59,10 +77,12 @@ def target(producer: nn.Module) -> Target | None:
 
 def offer(producer: nn.Module, y: torch.Tensor, q: torch.Tensor | None, made_with: Target | None) -> None:
     """``producer`` wrote y (and q, the u8 of y with ``made_with``, or None) for the op that reads y next."""
-    new = _Offer(producer, y, q, made_with)
-    _thread.offer = new
-    if q is not None:
-        _last_offers[producer] = new
+    outcome = None
+    if q is None:
+        _outcomes().pop(producer, None)
+    else:
+        outcome = _outcomes()[producer] = _Outcome()
+    _thread.offer = _Offer(producer, y, q, made_with, outcome)
 
 
 def take(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None) -> torch.Tensor | None:
@@ -75,7 +95,7 @@ def take(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | 
     made_with = handed.target
     if handed.q is not None and made_with is not None and made_with.scale == scale and \
             made_with.zero_point == zero_point and made_with.smooth is smooth:
-        handed.taken = True
+        handed.outcome.taken = True
         return handed.q
     producer = handed.producer()
     if producer is not None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 import fastbert
-from fastbert import guard, int8, int8_handoff, int8_linear
+from fastbert import guard, int8, int8_handoff, int8_linear, plan
 from fastbert.ops import norm
 
 FP32_TOL = 1e-5  # a LayerNorm of values of order 1..10 in float32 against float64
@@ -127,6 +127,23 @@ def test_a_consumer_that_changed_gets_its_own_quantization(int8_on, kernel, hand
     _forward(model, ids)
     assert producer not in int8_handoff._targets
     assert torch.equal(_forward(model, ids), float32_ffn)
+    int8.choose(ffn_in, choice)  # and back: the producer is taught again, and every handoff resumes
+    _forward(model, ids)
+    handoffs.clear()
+    _forward(model, ids)
+    assert sum(handoffs) == 3, handoffs
+
+
+def test_hooked_dropouts_run(int8_on, kernel):
+    """A hook on a layer's dropout is called in a quantized model as in a float32 one (the fused LayerNorm and MLP
+    step aside for it)."""
+    model, ids = _static_model()
+    before = _forward(model, ids)
+    calls = []
+    for dropout in (model.encoder.layer[0].attention.output.dropout, model.encoder.layer[0].output.dropout):
+        dropout.register_forward_hook(lambda module, args, out: calls.append(module) or out * 0)
+    after = _forward(model, ids)
+    assert len(calls) == 2 and not torch.allclose(after, before)
 
 
 def test_float32_models_keep_torchs_layer_norm(kernel):
@@ -205,8 +222,11 @@ def test_quantized_mlps_hand_u8_between_their_gemms(int8_on, kernel, monkeypatch
     from fastbert.ops import mlp
 
     monkeypatch.setattr(mlp, "BACKENDS", mlp.BACKENDS[1:])
+    plan.converted()  # (the plan holds the int8 decision)
     composed = _forward(model, ids)
+    assert _mlp_backends(model) == {"torch"}
     monkeypatch.undo()
+    plan.converted()
     cosine = F.cosine_similarity(fused.flatten(0, 1), composed.flatten(0, 1), dim=-1)
     assert cosine.min().item() > 0.9999 and not torch.equal(fused, torch.zeros_like(fused))
     with int8.recording() as ranges, torch.inference_mode():

@@ -45,7 +45,8 @@ def _calibration(tokenizer) -> list[dict]:
     return feeds
 
 
-def build_openvino_int8(ms: ModelSet, opts, log=print):
+def build_openvino_int8(ms: ModelSet, opts, log=print, precision: str | None = None):
+    """``precision``: OpenVINO's INFERENCE_PRECISION_HINT ("f32"), None for its default."""
     reason = openvino_missing()
     if reason:
         raise Unavailable(reason)
@@ -68,12 +69,16 @@ def build_openvino_int8(ms: ModelSet, opts, log=print):
             warnings.simplefilter("ignore")
             quantized = nncf.quantize(model, nncf.Dataset(_calibration(tokenizer)),
                                       model_type=nncf.ModelType.TRANSFORMER, subset_size=300)
-    compiled = core.compile_model(quantized, "CPU", {"INFERENCE_NUM_THREADS": torch.get_num_threads()})
+    settings = {"INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    if precision is not None:
+        settings["INFERENCE_PRECISION_HINT"] = precision
+    compiled = core.compile_model(quantized, "CPU", settings)
     # (on CPUs with bf16 arithmetic OpenVINO runs what is not int8 — attention, softmax, LayerNorm — in bf16 unless
     # asked for f32: said, as fastbert keeps them float32)
-    precision = compiled.get_property("INFERENCE_PRECISION_HINT")
-    log(f"  openvino-int8: OpenVINO {ov.__version__}, NNCF {nncf.__version__} (transformer preset), calibrated on "
-        f"the guard's sentences; inference precision {precision} (its default here)")
+    name = "openvino-int8" if precision is None else f"openvino-int8-{precision}"
+    log(f"  {name}: OpenVINO {ov.__version__}, NNCF {nncf.__version__} (transformer preset), calibrated on "
+        f"the guard's sentences; inference precision {compiled.get_property('INFERENCE_PRECISION_HINT')}"
+        + (" (its default here)" if precision is None else ""))
 
     def forward(inputs):
         feed = {"input_ids": inputs["input_ids"].cpu().numpy(),

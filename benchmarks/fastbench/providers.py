@@ -114,10 +114,10 @@ def _openvino_missing() -> str | None:
     return openvino_missing()
 
 
-def _build_openvino_int8(ms: ModelSet, opts, log) -> Forward:
+def _build_openvino_int8(ms: ModelSet, opts, log, precision: str | None = None) -> Forward:
     from .openvino_provider import build_openvino_int8
 
-    return build_openvino_int8(ms, opts, log)
+    return build_openvino_int8(ms, opts, log, precision)
 
 
 def _ort_missing() -> str | None:
@@ -165,6 +165,10 @@ PROVIDERS: dict[str, Provider] = {
                  "preset) calibrated on fastbert's guard sentences, compiled for the CPU; checked by pooled cosine; "
                  "needs openvino and nncf", ("cpu",), (), _build_openvino_int8, missing=_openvino_missing,
                  quantized=True),
+        Provider("openvino-int8-f32", "openvino-int8 with INFERENCE_PRECISION_HINT=f32: what is not int8 (attention, "
+                 "softmax, LayerNorm) in float32, as fastbert-int8 runs it, where openvino-int8's default may be bf16",
+                 ("cpu",), (), lambda ms, opts, log: _build_openvino_int8(ms, opts, log, "f32"),
+                 missing=_openvino_missing, quantized=True),
     ]
 }
 

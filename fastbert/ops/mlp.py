@@ -49,11 +49,12 @@ def _int8_reasons(x: torch.Tensor, intermediate: nn.Module, output: nn.Module, a
         return [f"int8 GEMMs take a float32 model, not {x.dtype}"]
     if activation is None:
         return [f"no oneDNN epilogue computes {type(intermediate.intermediate_act_fn).__name__}"]
-    params = (dense_in.weight, dense_in.bias, dense_out.weight, dense_out.bias)
-    return (dispatch.needs_reference(x, *params, dropout_p=dropout_p(output.dropout))
+    weights = (dense_in.weight, dense_out.weight)
+    return (dispatch.needs_reference(x, *weights, dense_in.bias, dense_out.bias, dropout_p=dropout_p(output.dropout))
             or why_not_plain(x.device, dense_in=(dense_in, nn.Linear), dense_out=(dense_out, nn.Linear),
                              LayerNorm=(layer_norm, ln_class(layer_norm)))
-            or ([reason] if (reason := gemm.why_not_packed(x, params)) else [])
+            or ([] if norm.trivial(output.dropout) else ["a dropout with hooks is called as a module"])
+            or ([reason] if (reason := gemm.why_not_packed(x, weights)) else [])
             or int8.unavailable_reasons() or norm.layer_norm_cpu_unavailable_reasons())
 
 

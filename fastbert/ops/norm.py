@@ -42,9 +42,10 @@ class Call:
     reasons: tuple[str, ...]  # why only torch's ops and the modules may run it
     device: torch.device
     dtype: torch.dtype
+    packed: str | None = None  # why the GEMM before it cannot run prepacked (int8) on this input, or None
 
 
-def _trivial(dropout: nn.Module | None) -> bool:
+def trivial(dropout: nn.Module | None) -> bool:
     """Whether ``dropout`` changes nothing now (none, p = 0 in eval mode, no hooks)."""
     return dropout is None or (dropout_p(dropout) == 0 and not has_hooks(dropout))
 
@@ -59,7 +60,9 @@ def _call(x: torch.Tensor, dense, dropout, norm, act_fn=None, residual=None) -> 
             reasons = reasons or [f"activation {type(act_fn).__name__} has no fused kernel (HF's activation module "
                                   "runs)"]
     reasons = reasons or why_not_plain(x.device, LayerNorm=(norm, ln_class(norm)))
-    return Call(dense, dropout, norm, act_fn, activation, tuple(reasons), x.device, x.dtype)
+    packed = "the GEMM's Linear is called as a module" if dense is None or not is_plain(dense, nn.Linear, x.device) \
+        else gemm.why_not_packed(x, (dense.weight,))
+    return Call(dense, dropout, norm, act_fn, activation, tuple(reasons), x.device, x.dtype, packed)
 
 
 def _why_not(call: Call) -> list[str]:
@@ -78,7 +81,7 @@ def _triton_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> tor
 
 
 def _torch_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    if _trivial(call.dropout):
+    if trivial(call.dropout):
         return module_layer_norm(call.norm, gemm.linear(x, call.dense, residual=residual))
     return call.norm(call.dropout(gemm.linear(x, call.dense)) + residual)
 
@@ -127,9 +130,11 @@ def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def _cpu_why_not(call: Call) -> list[str]:
-    if call.dense is None or int8.chosen(call.dense) is None or int8.unavailable_reasons():
+    if call.dense is None or int8.chosen(call.dense) is None or call.packed or int8.unavailable_reasons():
         return [ByDesign("fastbert._C's LayerNorm runs where the GEMM before it runs int8 (fastbert.quantize; it writes "
                          "the next int8 GEMM's input in the same pass); elsewhere torch's runs")]
+    if not trivial(call.dropout):
+        return [ByDesign("a dropout with hooks is called as a module: torch's path runs")]
     return list(call.reasons)
 
 
@@ -194,7 +199,7 @@ def dense_residual(x: torch.Tensor, residual: torch.Tensor, dense: nn.Module, dr
                    ) -> torch.Tensor:
     """residual + dropout(dense(x)): x [tokens, in], residual [tokens, out]; the add in the GEMM's epilogue where its
     backend has one (oneDNN, int8). ``dropout``: nn.Dropout, nn.Identity or None."""
-    if _trivial(dropout):
+    if trivial(dropout):
         return gemm.linear(x, dense, residual=residual)
     return dropout(gemm.linear(x, dense)) + residual
 
