@@ -148,7 +148,8 @@ void quantize_per_token_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, 
 
 void layer_norm_cpu(std::uintptr_t x, std::uintptr_t y, std::uintptr_t weight, std::uintptr_t bias, int64_t rows,
                     int64_t cols, double eps, std::uintptr_t q, std::uintptr_t smooth, double scale,
-                    int64_t zero_point, int num_threads) {
+                    int64_t zero_point, int num_threads, const std::string& isa) {
+  if (!isa.empty() && isa != "avx2") throw std::invalid_argument("isa must be '' (the fastest) or 'avx2'");
   if (rows < 0 || cols < 0) throw std::invalid_argument("rows and cols must be >= 0");
   if (rows * cols > 0 && (!x || !y)) throw std::invalid_argument("null data pointer");
   if (q && (!(scale > 0.0) || !std::isfinite(scale) || zero_point < 0 || zero_point > 255)) {
@@ -159,7 +160,7 @@ void layer_norm_cpu(std::uintptr_t x, std::uintptr_t y, std::uintptr_t weight, s
                             reinterpret_cast<const float*>(weight), reinterpret_cast<const float*>(bias), rows, cols,
                             static_cast<float>(eps), reinterpret_cast<uint8_t*>(q),
                             reinterpret_cast<const float*>(smooth), scale, zero_point},
-                           num_threads);
+                           num_threads, isa == "avx2");
 }
 
 // "" when the CUDA kernel can run on the current device, else why not.
@@ -267,10 +268,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("layer_norm_cpu", &layer_norm_cpu,
         "y [rows, cols] = LayerNorm of float32 x's rows * weight + bias (either 0: none), and, when q is not 0, "
         "u8 q [rows, cols] of y (divided by smooth [cols] when not 0) with the given scale and zero point, the same "
-        "bytes as quantize_static_cpu of y (layer_norm_cpu.h).",
+        "bytes as quantize_static_cpu of y (layer_norm_cpu.h). isa 'avx2': the AVX2 rows where AVX-512 runs too.",
         py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("rows"), py::arg("cols"),
         py::arg("eps"), py::arg("q"), py::arg("smooth"), py::arg("scale"), py::arg("zero_point"),
-        py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+        py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
 
   m.def("quantize_cpu_available", &fastbert::quantize_cpu_available,
         "Whether this CPU runs the int8 activation quantizer (x86-64 with AVX2 and FMA).");

@@ -99,13 +99,14 @@ bool has_avx512() {
 
 }  // namespace
 
-void layer_norm_cpu(const LayerNormCpuArgs& a, int num_threads) {
+void layer_norm_cpu(const LayerNormCpuArgs& a, int num_threads, bool avx2) {
   if (!quantize_cpu_available()) throw std::runtime_error("fastbert's CPU LayerNorm needs an x86-64 CPU with AVX2");
 #if defined(FASTBERT_X86_LAYER_NORM)
-  const bool wide = has_avx512();
+  const bool wide = has_avx512() && !avx2;
 #if defined(_OPENMP)
   const int most = num_threads > 0 ? num_threads : omp_get_max_threads();
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(most, a.rows * a.cols / kElementsPerThread)));
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(most, a.rows * a.cols / kElementsPerThread)));
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t r = 0; r < a.rows; ++r) {
@@ -116,7 +117,7 @@ void layer_norm_cpu(const LayerNormCpuArgs& a, int num_threads) {
     if (a.q) quantize_static_row(y, a.smooth, a.cols, a.scale, a.zero_point, a.q + r * a.cols);
   }
 #else
-  (void)a, (void)num_threads;
+  (void)a, (void)num_threads, (void)avx2;
 #endif
 }
 

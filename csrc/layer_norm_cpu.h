@@ -29,6 +29,7 @@ struct LayerNormCpuArgs {
 };
 
 // OpenMP over rows; num_threads <= 0: OpenMP's default. Throws std::runtime_error on a CPU without AVX2 and FMA.
-void layer_norm_cpu(const LayerNormCpuArgs& args, int num_threads);
+// avx2: the AVX2 rows even where AVX-512 runs (tests check both on one machine).
+void layer_norm_cpu(const LayerNormCpuArgs& args, int num_threads, bool avx2 = false);
 
 }  // namespace fastbert

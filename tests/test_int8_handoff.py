@@ -26,19 +26,20 @@ def kernel():
 
 @pytest.mark.parametrize("rows, cols", [(0, 768), (1, 1), (1, 312), (7, 17), (300, 384), (33, 768), (5, 1030)])
 @pytest.mark.parametrize("affine", ["weight and bias", "weight", "none"])
-def test_layer_norm_against_float64_and_its_u8_against_the_quantizer(kernel, rows, cols, affine):
+@pytest.mark.parametrize("isa", ["", "avx2"], ids=["fastest", "avx2"])
+def test_layer_norm_against_float64_and_its_u8_against_the_quantizer(kernel, rows, cols, affine, isa):
     generator = torch.Generator().manual_seed(rows * 1000 + cols)
     x = torch.randn(rows, cols, generator=generator) * 3 + 1.5
     weight = torch.randn(cols, generator=generator) if affine != "none" else None
     bias = torch.randn(cols, generator=generator) if affine == "weight and bias" else None
     expected = F.layer_norm(x.double(), (cols,), None if weight is None else weight.double(),
                             None if bias is None else bias.double(), 1e-12)
-    y, q = norm.layer_norm_cpu(x, weight, bias, 1e-12)
+    y, q = norm.layer_norm_cpu(x, weight, bias, 1e-12, isa=isa)
     assert q is None
     torch.testing.assert_close(y.double(), expected, rtol=0, atol=FP32_TOL)
     divisor = torch.rand(cols, generator=generator) + 0.5
     for target in (int8_handoff.Target(0.03, 128, None), int8_handoff.Target(8 / 255, 17, divisor)):
-        y_again, q = norm.layer_norm_cpu(x, weight, bias, 1e-12, target)
+        y_again, q = norm.layer_norm_cpu(x, weight, bias, 1e-12, target, isa)
         assert torch.equal(y_again, y)  # (writing the u8 changes nothing else)
         assert torch.equal(q, int8_linear.quantize_static_ref(y, *target))  # the consumer's own bytes of y
         levels = int8_linear.quantize_static_ref(expected.float(), *target).int() - q.int()

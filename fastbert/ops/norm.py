@@ -86,13 +86,15 @@ def _torch_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torc
     return call.norm(call.dropout(gemm.linear(x, call.dense)) + residual)
 
 
-# --- fastbert._C's LayerNorm (csrc/layer_norm_cpu.h): float32 on the CPU, writing the next int8 GEMM's u8 too ----------
+# --- fastbert._C's LayerNorm (csrc/layer_norm_cpu.h): float32 on the CPU, writing the next int8 GEMM's u8 too --------
 
 
 def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                   quantize: int8_handoff.Target | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   quantize: int8_handoff.Target | None = None,
+                   isa: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [rows, cols] float32 -> (LayerNorm(x) * weight + bias [rows, cols], u8 [rows, cols] of that with
-    ``quantize``'s static scale, or None): ``int8_linear.quantize_static``'s bytes of the first output."""
+    ``quantize``'s static scale, or None): ``int8_linear.quantize_static``'s bytes of the first output. ``isa``:
+    "avx2" runs the AVX2 rows where AVX-512 runs too (tests), "" the fastest."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"x must be a float32 CPU tensor [rows, cols], got {tuple(x.shape)} {x.dtype} on {x.device}")
     x = x.contiguous()
@@ -107,7 +109,7 @@ def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
         x.data_ptr(), y.data_ptr(), 0 if weight is None else weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
         x.shape[0], x.shape[1], eps, 0 if q is None else q.data_ptr(), 0 if smooth is None else smooth.data_ptr(),
         1.0 if quantize is None else quantize.scale, 0 if quantize is None else quantize.zero_point,
-        torch.get_num_threads())
+        torch.get_num_threads(), isa)
     return y, q
 
 
@@ -131,8 +133,8 @@ def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 def _cpu_why_not(call: Call) -> list[str]:
     if call.dense is None or int8.chosen(call.dense) is None or call.packed or int8.unavailable_reasons():
-        return [ByDesign("fastbert._C's LayerNorm runs where the GEMM before it runs int8 (fastbert.quantize; it writes "
-                         "the next int8 GEMM's input in the same pass); elsewhere torch's runs")]
+        return [ByDesign("fastbert._C's LayerNorm runs where the GEMM before it runs int8 (fastbert.quantize; it "
+                         "writes the next int8 GEMM's input in the same pass); elsewhere torch's runs")]
     if not trivial(call.dropout):
         return [ByDesign("a dropout with hooks is called as a module: torch's path runs")]
     return list(call.reasons)
