@@ -186,7 +186,7 @@ def test_u8_output_matches_the_reference(int8_on, tokens, d_in, d_out, activatio
                                output=output)
     assert q.dtype == torch.uint8 and q.shape == (tokens, d_out)
     apart = (q.int() - ref.int()).abs()
-    assert apart.max().item() <= 1 and apart.float().mean().item() < 1e-3
+    assert apart.max().item() <= 1 and (apart > 0).sum().item() <= max(1, apart.numel() // 1000)
     second = torch.randn(11, d_out, generator=generator) * d_out ** -0.5
     packed = int8_linear.quantize_weight(second, bits)
     dequantized = (q.float() - output[1]) * output[0]  # float32 activations quantizing to exactly q
