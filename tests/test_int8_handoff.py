@@ -44,6 +44,10 @@ def test_layer_norm_against_float64_and_its_u8_against_the_quantizer(kernel, row
         assert torch.equal(q, int8_linear.quantize_static_ref(y, *target))  # the consumer's own bytes of y
         levels = int8_linear.quantize_static_ref(expected.float(), *target).int() - q.int()
         assert levels.abs().max().item() <= 1 if rows else True  # (a level at most from float64's, at ties)
+    in_place = x.clone()
+    y_in_place, q = norm.layer_norm_cpu(in_place, weight, bias, 1e-12, target, isa, out=in_place)
+    assert y_in_place is in_place and torch.equal(in_place, y)  # (each row read whole before it is written)
+    assert torch.equal(q, int8_linear.quantize_static_ref(y, *target))
 
 
 def test_bad_arguments_are_named(kernel):
@@ -56,6 +60,9 @@ def test_bad_arguments_are_named(kernel):
         norm.layer_norm_cpu(x, None, None, 1e-5, int8_handoff.Target(0.1, 0, torch.ones(9)))
     with pytest.raises(ValueError, match="scale"):
         norm.layer_norm_cpu(x, None, None, 1e-5, int8_handoff.Target(0.0, 0, None))
+    for out in (torch.empty(4, 7), torch.empty(4, 8, dtype=torch.float64), torch.empty(8, 4).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            norm.layer_norm_cpu(x, None, None, 1e-5, out=out)
 
 
 def _static_model(hidden: int = 312, layers: int = 2) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -107,6 +114,22 @@ def test_quantized_layers_take_the_layer_norms_u8_from_the_second_forward(int8_o
     assert _layer_norm_backends(model) == {"cpu-ext"}
     monkeypatch.setattr(int8_handoff, "target", lambda producer: None)
     assert torch.equal(_forward(model, ids), second)
+
+
+def test_layer_norms_write_over_their_gemms_outputs_only(int8_on, kernel):
+    """The LayerNorm after a GEMM writes its result over that GEMM's output (a temporary of its own): the hidden
+    states a forward returns, the layers' inputs included, keep their values while later layers run."""
+    model, ids = _static_model(layers=3)
+    _forward(model, ids)
+    with torch.inference_mode():
+        states = model(ids, output_hidden_states=True).hidden_states
+    snapshots = [state.clone() for state in states]
+    with torch.inference_mode():
+        again = model(ids, output_hidden_states=True).hidden_states
+    assert len({state.data_ptr() for state in states}) == len(states)
+    for state, snapshot, second in zip(states, snapshots, again):
+        assert torch.equal(state, snapshot) and torch.equal(second, snapshot)
+    assert _layer_norm_backends(model) == {"cpu-ext"}
 
 
 def test_a_consumer_that_changed_gets_its_own_quantization(int8_on, kernel, handoffs):

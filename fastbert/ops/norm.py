@@ -91,17 +91,22 @@ def _torch_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torc
 
 def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                    quantize: int8_handoff.Target | None = None,
-                   isa: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
+                   isa: str = "", out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [rows, cols] float32 -> (LayerNorm(x) * weight + bias [rows, cols], u8 [rows, cols] of that with
     ``quantize``'s static scale, or None): ``int8_linear.quantize_static``'s bytes of the first output. ``isa``:
-    "avx2" runs the AVX2 rows where AVX-512 runs too (tests), "" the fastest."""
+    "avx2" runs the AVX2 rows where AVX-512 runs too (tests), "" the fastest. ``out``: where the first output is
+    written (returned as it), x itself included (each row is read whole before it is written), or None: new."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"x must be a float32 CPU tensor [rows, cols], got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if out is not None and (out.device.type != "cpu" or out.dtype != torch.float32 or out.shape != x.shape
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 CPU tensor {tuple(x.shape)}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
     x = x.contiguous()
     for name, t in (("weight", weight), ("bias", bias)) + (("smooth", quantize and quantize.smooth),):
         if t is not None and (t.dtype != torch.float32 or t.shape != (x.shape[1],) or t.device.type != "cpu"):
             raise ValueError(f"{name} must be float32 [{x.shape[1]}] on the CPU, got {tuple(t.shape)} {t.dtype}")
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
     q = None if quantize is None else torch.empty(x.shape, dtype=torch.uint8)
     weight, bias = (None if t is None else t.detach().contiguous() for t in (weight, bias))
     smooth = None if quantize is None or quantize.smooth is None else quantize.smooth.contiguous()
@@ -142,9 +147,11 @@ def _cpu_why_not(call: Call) -> list[str]:
 
 def handing_off(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """norm(x) by fastbert._C's LayerNorm (``norm`` plain), with the u8 of it that the int8 GEMM reading it next took
-    last time (``int8_handoff.py``)."""
+    last time (``int8_handoff.py``). x: the GEMM output the caller just made and nothing else holds, overwritten
+    with the result: at 8 x 128 tokens a new [tokens, hidden] per LayerNorm is 3 MB that glibc returns to the
+    system and faults back in, page by page, a layer later."""
     target = int8_handoff.target(norm)
-    y, q = layer_norm_cpu(x, norm.weight, norm.bias, ln_eps(norm), target)
+    y, q = layer_norm_cpu(x, norm.weight, norm.bias, ln_eps(norm), target, out=x if x.is_contiguous() else None)
     int8_handoff.offer(norm, y, q, target)
     return y
 
