@@ -65,6 +65,23 @@ def test_ort_is_skipped_with_a_reason_without_onnxruntime(monkeypatch, capsys):
     assert "providers: hf-sdpa;" in printed
 
 
+@pytest.mark.parametrize("name", ["st-onnx-int8", "st-openvino-int8"])
+def test_sentence_transformers_backends_run_where_installed_and_say_why_not_elsewhere(name, tmp_path, capsys):
+    """sentence-transformers' own int8 backends: checked by pooled cosine where their extras are installed (a second
+    environment, transformers < 4.58), else skipped with the extra to install and why it is not in this one."""
+    why = providers.provider_missing(name)
+    out = tmp_path / "res"
+    assert bench.main(TINY + ["--providers", name, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    if why is not None:
+        assert "sentence-transformers[" in why and "transformers < 4.58" in why
+        assert f"note: {name} unavailable: " in printed
+        return
+    rows = [r for r in bench.read_csv(out / "results.csv") if r["provider"] == name]
+    assert len(rows) == 2 and all(r["status"] == "ok" for r in rows), rows
+    assert f"{name}: sentence-transformers " in printed and "int8: pooled cosine vs hf-sdpa" in printed
+
+
 def test_ort_runs_fp32_only(capsys):
     pytest.importorskip("onnxruntime")
     assert bench.main(TINY + ["--providers", "ort", "--dtype", "bf16", "--pad-ratio", "0"]) == 0

@@ -120,6 +120,18 @@ def _build_openvino_int8(ms: ModelSet, opts, log, precision: str | None = None) 
     return build_openvino_int8(ms, opts, log, precision)
 
 
+def _st_missing(backend: str) -> str | None:
+    from .st_provider import st_missing
+
+    return st_missing(backend)
+
+
+def _build_st_int8(ms: ModelSet, opts, log, backend: str) -> Forward:
+    from .st_provider import build_st_int8
+
+    return build_st_int8(ms, opts, log, backend)
+
+
 def _ort_missing() -> str | None:
     from .ort_provider import ort_missing
 
@@ -169,6 +181,16 @@ PROVIDERS: dict[str, Provider] = {
                  "softmax, LayerNorm) in float32, as fastbert-int8 runs it, where openvino-int8's default may be bf16",
                  ("cpu",), (), lambda ms, opts, log: _build_openvino_int8(ms, opts, log, "f32"),
                  missing=_openvino_missing, quantized=True),
+        Provider("st-onnx-int8", "sentence-transformers' ONNX backend as its documentation shows: the model saved as "
+                 "a sentence-transformers folder, export_dynamic_quantized_onnx_model with optimum's preset for the "
+                 "CPU (avx512_vnni, avx512 or avx2); checked by pooled cosine; needs sentence-transformers[onnx]",
+                 ("cpu",), (), lambda ms, opts, log: _build_st_int8(ms, opts, log, "onnx"),
+                 missing=lambda: _st_missing("onnx"), quantized=True),
+        Provider("st-openvino-int8", "sentence-transformers' OpenVINO backend as its documentation shows: "
+                 "export_static_quantized_openvino_model(OVQuantizationConfig()) calibrated on fastbert's guard "
+                 "sentences; checked by pooled cosine; needs sentence-transformers[openvino]", ("cpu",), (),
+                 lambda ms, opts, log: _build_st_int8(ms, opts, log, "openvino"),
+                 missing=lambda: _st_missing("openvino"), quantized=True),
     ]
 }
 
