@@ -124,32 +124,43 @@ fastbert::QuantizeCpuArgs quantize_args(std::uintptr_t x, std::uintptr_t out, in
           reinterpret_cast<const float*>(smooth), reinterpret_cast<const int64_t*>(real_index), real_rows};
 }
 
+// isa "" (the fastest the CPU runs) or "avx2" (the AVX2 rows where AVX-512 runs too): the quantizer's and the
+// LayerNorm's tests check both on one machine.
+bool avx2_rows(const std::string& isa) {
+  if (!isa.empty() && isa != "avx2") throw std::invalid_argument("isa must be '' (the fastest) or 'avx2'");
+  return isa == "avx2";
+}
+
 std::pair<double, int64_t> quantize_per_call_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols,
                                                  std::uintptr_t smooth, std::uintptr_t real_index, int64_t real_rows,
-                                                 int num_threads) {
+                                                 int num_threads, const std::string& isa) {
+  const bool avx2 = avx2_rows(isa);
   double scale = 1.0;
   int64_t zero_point = 0;
   fastbert::quantize_per_call_cpu(quantize_args(x, out, rows, cols, smooth, real_index, real_rows), &scale,
-                                  &zero_point, num_threads);
+                                  &zero_point, num_threads, avx2);
   return {scale, zero_point};
 }
 
 void quantize_static_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols, std::uintptr_t smooth,
-                         double scale, int64_t zero_point, int num_threads) {
-  fastbert::quantize_static_cpu(quantize_args(x, out, rows, cols, smooth, 0, 0), scale, zero_point, num_threads);
+                         double scale, int64_t zero_point, int num_threads, const std::string& isa) {
+  const bool avx2 = avx2_rows(isa);
+  fastbert::quantize_static_cpu(quantize_args(x, out, rows, cols, smooth, 0, 0), scale, zero_point, num_threads,
+                                avx2);
 }
 
 void quantize_per_token_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols, std::uintptr_t smooth,
-                            std::uintptr_t scales, int num_threads) {
+                            std::uintptr_t scales, int num_threads, const std::string& isa) {
+  const bool avx2 = avx2_rows(isa);
   if (rows > 0 && !scales) throw std::invalid_argument("null scales pointer");
   fastbert::quantize_per_token_cpu(quantize_args(x, out, rows, cols, smooth, 0, rows),
-                                   reinterpret_cast<float*>(scales), num_threads);
+                                   reinterpret_cast<float*>(scales), num_threads, avx2);
 }
 
 void layer_norm_cpu(std::uintptr_t x, std::uintptr_t y, std::uintptr_t weight, std::uintptr_t bias, int64_t rows,
                     int64_t cols, double eps, std::uintptr_t q, std::uintptr_t smooth, double scale,
                     int64_t zero_point, int num_threads, const std::string& isa) {
-  if (!isa.empty() && isa != "avx2") throw std::invalid_argument("isa must be '' (the fastest) or 'avx2'");
+  const bool avx2 = avx2_rows(isa);
   if (rows < 0 || cols < 0) throw std::invalid_argument("rows and cols must be >= 0");
   if (rows * cols > 0 && (!x || !y)) throw std::invalid_argument("null data pointer");
   if (q && (!(scale > 0.0) || !std::isfinite(scale) || zero_point < 0 || zero_point > 255)) {
@@ -160,7 +171,7 @@ void layer_norm_cpu(std::uintptr_t x, std::uintptr_t y, std::uintptr_t weight, s
                             reinterpret_cast<const float*>(weight), reinterpret_cast<const float*>(bias), rows, cols,
                             static_cast<float>(eps), reinterpret_cast<uint8_t*>(q),
                             reinterpret_cast<const float*>(smooth), scale, zero_point},
-                           num_threads, isa == "avx2");
+                           num_threads, avx2);
 }
 
 // "" when the CUDA kernel can run on the current device, else why not.
@@ -249,21 +260,22 @@ PYBIND11_MODULE(_C, m) {
   m.def("quantize_per_call_cpu", &quantize_per_call_cpu,
         "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), one scale and zero point from "
         "the range of the real rows (real_index [real_rows] int64 when not 0, else the first real_rows): returns "
-        "(scale, zero_point) (quantize_cpu.h).",
+        "(scale, zero_point) (quantize_cpu.h). isa 'avx2': the AVX2 rows where AVX-512 runs too.",
         py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("smooth"), py::arg("real_index"),
-        py::arg("real_rows"), py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+        py::arg("real_rows"), py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
 
   m.def("quantize_static_cpu", &quantize_static_cpu,
         "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0) with the given scale and zero "
-        "point (quantize_cpu.h).",
+        "point (quantize_cpu.h). isa 'avx2': the AVX2 rows where AVX-512 runs too.",
         py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("smooth"), py::arg("scale"),
-        py::arg("zero_point"), py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+        py::arg("zero_point"), py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
 
   m.def("quantize_per_token_cpu", &quantize_per_token_cpu,
         "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), each row with its own "
-        "symmetric scale, written to scales [rows] float32 (quantize_cpu.h).",
+        "symmetric scale, written to scales [rows] float32 (quantize_cpu.h). isa 'avx2': the AVX2 rows where "
+        "AVX-512 runs too.",
         py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("smooth"), py::arg("scales"),
-        py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+        py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
 
   m.def("layer_norm_cpu", &layer_norm_cpu,
         "y [rows, cols] = LayerNorm of float32 x's rows * weight + bias (either 0: none), and, when q is not 0, "

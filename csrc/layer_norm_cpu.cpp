@@ -114,7 +114,7 @@ void layer_norm_cpu(const LayerNormCpuArgs& a, int num_threads, bool avx2) {
     float* y = a.y + r * a.cols;
     if (wide) row_512(x, a.weight, a.bias, a.cols, a.eps, y);
     else row_256(x, a.weight, a.bias, a.cols, a.eps, y);
-    if (a.q) quantize_static_row(y, a.smooth, a.cols, a.scale, a.zero_point, a.q + r * a.cols);
+    if (a.q) quantize_static_row(y, a.smooth, a.cols, a.scale, a.zero_point, a.q + r * a.cols, avx2);
   }
 #else
   (void)a, (void)num_threads, (void)avx2;

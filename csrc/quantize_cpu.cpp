@@ -213,10 +213,10 @@ bool quantize_cpu_available() {
 #endif
 }
 
-void quantize_per_call_cpu(const QuantizeCpuArgs& a, double* scale, int64_t* zero_point, int num_threads) {
+void quantize_per_call_cpu(const QuantizeCpuArgs& a, double* scale, int64_t* zero_point, int num_threads, bool avx2) {
   check(a);
 #if defined(FASTBERT_X86_QUANTIZE)
-  const bool wide = has_avx512();
+  const bool wide = has_avx512() && !avx2;
   Range total;
   float alpha = 1.f, shift = -128.f;
   const int threads = threads_for(a.rows * a.cols, num_threads);
@@ -260,13 +260,11 @@ void quantize_per_call_cpu(const QuantizeCpuArgs& a, double* scale, int64_t* zer
     }
   }
 #else
-  (void)scale;
-  (void)zero_point;
-  (void)num_threads;
+  (void)scale, (void)zero_point, (void)num_threads, (void)avx2;
 #endif
 }
 
-void quantize_static_cpu(const QuantizeCpuArgs& a, double scale, int64_t zero_point, int num_threads) {
+void quantize_static_cpu(const QuantizeCpuArgs& a, double scale, int64_t zero_point, int num_threads, bool avx2) {
   check(a);
   if (!(scale > 0.0) || !std::isfinite(scale) || zero_point < 0 || zero_point > 255) {
     throw std::invalid_argument("scale must be finite and > 0, zero_point in [0, 255]");
@@ -274,36 +272,35 @@ void quantize_static_cpu(const QuantizeCpuArgs& a, double scale, int64_t zero_po
 #if defined(FASTBERT_X86_QUANTIZE)
 #pragma omp parallel for schedule(static) num_threads(threads_for(a.rows * a.cols, num_threads))
   for (int64_t i = 0; i < a.rows; ++i) {
-    quantize_static_row(a.x + i * a.cols, a.smooth, a.cols, scale, zero_point, a.out + i * a.cols);
+    quantize_static_row(a.x + i * a.cols, a.smooth, a.cols, scale, zero_point, a.out + i * a.cols, avx2);
   }
 #else
-  (void)num_threads;
+  (void)num_threads, (void)avx2;
 #endif
 }
 
 void quantize_static_row(const float* x, const float* smooth, int64_t cols, double scale, int64_t zero_point,
-                         uint8_t* out) {
+                         uint8_t* out, bool avx2) {
 #if defined(FASTBERT_X86_QUANTIZE)
   const float alpha = static_cast<float>(1.0 / scale), shift = static_cast<float>(zero_point - 128);
-  if (has_avx512()) per_call_512(x, smooth, cols, alpha, shift, out);
+  if (has_avx512() && !avx2) per_call_512(x, smooth, cols, alpha, shift, out);
   else per_call_256(x, smooth, cols, alpha, shift, out);
 #else
-  (void)x, (void)smooth, (void)cols, (void)scale, (void)zero_point, (void)out;
+  (void)x, (void)smooth, (void)cols, (void)scale, (void)zero_point, (void)out, (void)avx2;
 #endif
 }
 
-void quantize_per_token_cpu(const QuantizeCpuArgs& a, float* scales, int num_threads) {
+void quantize_per_token_cpu(const QuantizeCpuArgs& a, float* scales, int num_threads, bool avx2) {
   check(a);
 #if defined(FASTBERT_X86_QUANTIZE)
-  const bool wide = has_avx512();
+  const bool wide = has_avx512() && !avx2;
 #pragma omp parallel for schedule(static) num_threads(threads_for(a.rows * a.cols, num_threads))
   for (int64_t i = 0; i < a.rows; ++i) {
     if (wide) per_token_512(a.x + i * a.cols, a.smooth, a.cols, a.out + i * a.cols, scales + i);
     else per_token_256(a.x + i * a.cols, a.smooth, a.cols, a.out + i * a.cols, scales + i);
   }
 #else
-  (void)scales;
-  (void)num_threads;
+  (void)scales, (void)num_threads, (void)avx2;
 #endif
 }
 

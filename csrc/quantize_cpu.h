@@ -25,18 +25,22 @@ struct QuantizeCpuArgs {
 };
 
 // Per call: quantizes every row with the range of the real rows; returns the scale and zero point it used.
-void quantize_per_call_cpu(const QuantizeCpuArgs& args, double* scale, int64_t* zero_point, int num_threads);
+void quantize_per_call_cpu(const QuantizeCpuArgs& args, double* scale, int64_t* zero_point, int num_threads,
+                           bool avx2 = false);
 
 // Static: quantizes every row with the given scale and zero point (values past its range saturate at 0 and 255).
-void quantize_static_cpu(const QuantizeCpuArgs& args, double scale, int64_t zero_point, int num_threads);
+void quantize_static_cpu(const QuantizeCpuArgs& args, double scale, int64_t zero_point, int num_threads,
+                         bool avx2 = false);
 
 // One row of quantize_static_cpu, the same bytes: for an op that writes the u8 of each row as it writes the row
 // (layer_norm_cpu.h). The caller has checked scale and zero point (quantize_static_cpu's rule) and the CPU.
 void quantize_static_row(const float* x, const float* smooth, int64_t cols, double scale, int64_t zero_point,
-                         uint8_t* out);
+                         uint8_t* out, bool avx2 = false);
 
 // Per token: quantizes each row with a scale of its own, written to scales [rows].
-void quantize_per_token_cpu(const QuantizeCpuArgs& args, float* scales, int num_threads);
+void quantize_per_token_cpu(const QuantizeCpuArgs& args, float* scales, int num_threads, bool avx2 = false);
+
+// avx2 (every kernel above): the AVX2 rows even where AVX-512 runs, the same bytes (tests check both on one machine).
 
 // Whether this CPU runs the kernels (x86-64 with AVX2 and FMA).
 bool quantize_cpu_available();

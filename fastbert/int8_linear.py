@@ -116,7 +116,9 @@ def quantize_cpu_unavailable_reasons() -> tuple[str, ...]:
     return ()
 
 
-def _quantize_inputs(x: torch.Tensor, smooth: torch.Tensor | None):
+def _quantize_inputs(x: torch.Tensor, smooth: torch.Tensor | None, isa: str = ""):
+    if isa not in ("", "avx2"):
+        raise ValueError(f"isa must be '' (the fastest this CPU runs) or 'avx2', got {isa!r}")
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"x must be a float32 CPU tensor [tokens, in], got {tuple(x.shape)} {x.dtype} on {x.device}")
     if smooth is not None and (smooth.dtype != torch.float32 or smooth.shape != (x.shape[1],)):
@@ -124,10 +126,11 @@ def _quantize_inputs(x: torch.Tensor, smooth: torch.Tensor | None):
     return x.contiguous(), None if smooth is None else smooth.contiguous()
 
 
-def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None):
+def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None, isa: str = ""):
     """x [tokens, in] float32 -> (u8 [tokens, in], scale, zero point): one scale from the range of the first ``rows``
-    rows (an int) or of the rows ``rows`` indexes ([R] int64), in one pass (``quantize_activation`` calls it)."""
-    x, smooth = _quantize_inputs(x, smooth)
+    rows (an int) or of the rows ``rows`` indexes ([R] int64), in one pass (``quantize_activation`` calls it).
+    ``isa`` (each of these kernels): "avx2" runs the AVX2 rows where AVX-512 runs too (tests), "" the fastest."""
+    x, smooth = _quantize_inputs(x, smooth, isa)
     index = None
     if isinstance(rows, torch.Tensor):
         index = rows.to(torch.int64).contiguous()
@@ -138,31 +141,33 @@ def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None)
     out = torch.empty(x.shape, dtype=torch.uint8)
     scale, zero_point = _extension._C.quantize_per_call_cpu(
         x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], 0 if smooth is None else smooth.data_ptr(),
-        0 if index is None else index.data_ptr(), rows if index is None else index.numel(), torch.get_num_threads())
+        0 if index is None else index.data_ptr(), rows if index is None else index.numel(), torch.get_num_threads(),
+        isa)
     return out, scale, zero_point
 
 
-def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None = None):
+def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None = None,
+                    isa: str = ""):
     """x [tokens, in] float32 -> u8 [tokens, in] with the given scale and zero point (no range taken), in one pass
     of fastbert._C where it runs, the same bytes as ``quantize_static_ref``."""
     if quantize_cpu_unavailable_reasons():
         return quantize_static_ref(x, scale, zero_point, smooth)
-    x, smooth = _quantize_inputs(x, smooth)  # (the kernel checks scale and zero point as check_static does)
+    x, smooth = _quantize_inputs(x, smooth, isa)  # (the kernel checks scale and zero point as check_static does)
     out = torch.empty(x.shape, dtype=torch.uint8)
     _extension._C.quantize_static_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                                       0 if smooth is None else smooth.data_ptr(), scale, zero_point,
-                                      torch.get_num_threads())
+                                      torch.get_num_threads(), isa)
     return out
 
 
-def quantize_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None):
+def quantize_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None, isa: str = ""):
     """x [tokens, in] float32 -> (u8 [tokens, in], scales [tokens, 1]): a symmetric scale per row, in one pass."""
-    x, smooth = _quantize_inputs(x, smooth)
+    x, smooth = _quantize_inputs(x, smooth, isa)
     out = torch.empty(x.shape, dtype=torch.uint8)
     scales = torch.empty(x.shape[0], 1)
     _extension._C.quantize_per_token_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                                          0 if smooth is None else smooth.data_ptr(), scales.data_ptr(),
-                                         torch.get_num_threads())
+                                         torch.get_num_threads(), isa)
     return out, scales
 
 

@@ -27,10 +27,11 @@ SHAPES = [(1, 312, 26), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens
 
 @pytest.mark.parametrize("tokens, d_in", [(1, 3), (7, 64), (300, 96), (129, 768), (33, 3072)])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
-def test_one_pass_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
+@pytest.mark.parametrize("isa", ["", "avx2"], ids=["fastest", "avx2"])
+def test_one_pass_quantizer_gives_the_reference_bytes(tokens, d_in, smooth, isa):
     """fastbert._C's quantizer (csrc/quantize_cpu.h) and the torch ops it replaces: the same bytes, scales and zero
     points, per call (range over leading rows or indexed rows) and per token; ties at .5 included (a half-integer
-    grid: round to even in both)."""
+    grid: round to even in both). The AVX2 rows as well as the fastest (AVX-512 where the CPU has it)."""
     if int8_linear.quantize_cpu_unavailable_reasons():
         pytest.skip("; ".join(int8_linear.quantize_cpu_unavailable_reasons()))
     generator = torch.Generator().manual_seed(tokens * d_in)
@@ -38,12 +39,14 @@ def test_one_pass_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
     x.view(-1)[: min(x.numel(), 512)] = torch.arange(min(x.numel(), 512)) * 0.5 - 128  # exact halves
     divisor = torch.rand(d_in, generator=generator) + 0.5 if smooth else None
     for rows in (tokens, tokens // 2, torch.tensor([tokens - 1, 0])):
-        fast, ref = int8_linear.quantize_activation(x, rows, divisor), int8_linear.quantize_activation_ref(
+        fast, ref = int8_linear.quantize_per_call(x, rows, divisor, isa), int8_linear.quantize_activation_ref(
             x, rows, divisor)
         assert torch.equal(fast[0], ref[0]) and fast[1:] == ref[1:]
-    fast, ref = int8_linear.quantize_activation_per_token(x, divisor), int8_linear.quantize_activation_per_token_ref(
+    fast, ref = int8_linear.quantize_per_token(x, divisor, isa), int8_linear.quantize_activation_per_token_ref(
         x, divisor)
     assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+    with pytest.raises(ValueError, match="isa must be"):
+        int8_linear.quantize_per_token(x, divisor, "avx512")
 
 
 @pytest.mark.parametrize("tokens, d_in, d_out", SHAPES)

@@ -12,9 +12,10 @@ from fastbert import guard, int8, int8_linear
 
 @pytest.mark.parametrize("tokens, d_in", [(0, 5), (1, 3), (7, 64), (300, 96), (33, 3072)])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
-def test_static_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
+@pytest.mark.parametrize("isa", ["", "avx2"], ids=["fastest", "avx2"])
+def test_static_quantizer_gives_the_reference_bytes(tokens, d_in, smooth, isa):
     """fastbert._C's static quantizer and the torch ops: the same bytes, ties at .5 rounded to even, and values past
-    the calibrated range saturating at 0 and 255."""
+    the calibrated range saturating at 0 and 255 (its AVX2 rows as well as the fastest)."""
     if int8_linear.quantize_cpu_unavailable_reasons():
         pytest.skip("; ".join(int8_linear.quantize_cpu_unavailable_reasons()))
     generator = torch.Generator().manual_seed(tokens * d_in + 1)
@@ -22,10 +23,10 @@ def test_static_quantizer_gives_the_reference_bytes(tokens, d_in, smooth):
     x.view(-1)[: min(x.numel(), 512)] = torch.arange(min(x.numel(), 512)) * 0.5 - 128  # exact halves, and far out
     divisor = torch.rand(d_in, generator=generator) + 0.5 if smooth else None
     for scale, zero_point in ((1.0, 128), (0.5, 0), (8 / 255, 200), (0.0123, 17)):
-        fast = int8_linear.quantize_static(x, scale, zero_point, divisor)
+        fast = int8_linear.quantize_static(x, scale, zero_point, divisor, isa)
         assert torch.equal(fast, int8_linear.quantize_static_ref(x, scale, zero_point, divisor))
     if tokens:
-        q = int8_linear.quantize_static(torch.tensor([[-1e9, 1e9, 0.0]]), 0.01, 100)
+        q = int8_linear.quantize_static(torch.tensor([[-1e9, 1e9, 0.0]]), 0.01, 100, isa=isa)
         assert q.tolist() == [[0, 255, 100]]
     with pytest.raises(ValueError):
         int8_linear._extension._C.quantize_static_cpu(x.data_ptr(), x.data_ptr(), 0, 0, 0, 0.0, 0, 1)
