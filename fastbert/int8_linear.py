@@ -150,9 +150,9 @@ def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torc
                     isa: str = ""):
     """x [tokens, in] float32 -> u8 [tokens, in] with the given scale and zero point (no range taken), in one pass
     of fastbert._C where it runs, the same bytes as ``quantize_static_ref``."""
+    x, smooth = _quantize_inputs(x, smooth, isa)  # (the kernel checks scale and zero point as check_static does)
     if quantize_cpu_unavailable_reasons():
         return quantize_static_ref(x, scale, zero_point, smooth)
-    x, smooth = _quantize_inputs(x, smooth, isa)  # (the kernel checks scale and zero point as check_static does)
     out = torch.empty(x.shape, dtype=torch.uint8)
     _extension._C.quantize_static_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                                       0 if smooth is None else smooth.data_ptr(), scale, zero_point,

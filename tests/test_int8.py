@@ -45,8 +45,13 @@ def test_one_pass_quantizer_gives_the_reference_bytes(tokens, d_in, smooth, isa)
     fast, ref = int8_linear.quantize_per_token(x, divisor, isa), int8_linear.quantize_activation_per_token_ref(
         x, divisor)
     assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+    fast, ref = int8_linear.quantize_activation(x, tokens, divisor), int8_linear.quantize_activation_ref(
+        x, tokens, divisor)  # (the dispatcher the GEMMs call)
+    assert torch.equal(fast[0], ref[0]) and fast[1:] == ref[1:]
     with pytest.raises(ValueError, match="isa must be"):
         int8_linear.quantize_per_token(x, divisor, "avx512")
+    with pytest.raises(ValueError, match="isa must be"):  # (the extension checks it too)
+        int8_linear._extension._C.quantize_static_cpu(x.data_ptr(), x.data_ptr(), 0, 0, 0, 1.0, 0, 1, "avx512")
 
 
 @pytest.mark.parametrize("tokens, d_in, d_out", SHAPES)

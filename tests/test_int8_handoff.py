@@ -116,19 +116,38 @@ def test_quantized_layers_take_the_layer_norms_u8_from_the_second_forward(int8_o
     assert torch.equal(_forward(model, ids), second)
 
 
-def test_layer_norms_write_over_their_gemms_outputs_only(int8_on, kernel):
-    """The LayerNorm after a GEMM writes its result over that GEMM's output (a temporary of its own): the hidden
-    states a forward returns, the layers' inputs included, keep their values while later layers run."""
+def test_layer_norms_write_over_their_gemms_outputs_only(int8_on, kernel, monkeypatch):
+    """The LayerNorm after a GEMM writes its result over that GEMM's output (a temporary of its own): every hidden
+    state a forward returns, the layers' inputs included, is bit for bit what LayerNorms writing new tensors give,
+    and keeps its values while later layers run."""
     model, ids = _static_model(layers=3)
     _forward(model, ids)
+    overwritten = []
+    handing_off = norm.handing_off
+
+    def watching(layer_norm, x):
+        y = handing_off(layer_norm, x)
+        overwritten.append(y is x)
+        return y
+
+    monkeypatch.setattr(norm, "handing_off", watching)
     with torch.inference_mode():
         states = model(ids, output_hidden_states=True).hidden_states
+    assert overwritten and all(overwritten), overwritten
     snapshots = [state.clone() for state in states]
+
+    def new_tensor(layer_norm, x):
+        target = int8_handoff.target(layer_norm)
+        y, q = norm.layer_norm_cpu(x, layer_norm.weight, layer_norm.bias, norm.ln_eps(layer_norm), target)
+        int8_handoff.offer(layer_norm, y, q, target)
+        return y
+
+    monkeypatch.setattr(norm, "handing_off", new_tensor)
     with torch.inference_mode():
-        again = model(ids, output_hidden_states=True).hidden_states
+        expected = model(ids, output_hidden_states=True).hidden_states
     assert len({state.data_ptr() for state in states}) == len(states)
-    for state, snapshot, second in zip(states, snapshots, again):
-        assert torch.equal(state, snapshot) and torch.equal(second, snapshot)
+    for state, snapshot, reference in zip(states, snapshots, expected):
+        assert torch.equal(state, snapshot) and torch.equal(state, reference)
     assert _layer_norm_backends(model) == {"cpu-ext"}
 
 

@@ -10,8 +10,10 @@ documentation shows a user, on the shared weights.
                         export_static_quantized_openvino_model(model, OVQuantizationConfig()): NNCF's post-training
                         quantization, calibrated on fastbert's guard sentences (the bench's openvino-int8 uses the
                         same ones; sentence-transformers pads them to 384 tokens, as it does its default dataset)
-      reloaded from the quantized file; the forward is the backend model sentence-transformers' ``encode`` calls
-      (``model[0].auto_model``) on the bench's inputs, its threads the backend's default (every core).
+      reloaded from the quantized file with torch's thread count (onnxruntime: intra-op threads, no spinning between
+      calls, as the ort provider; OpenVINO: INFERENCE_NUM_THREADS, as openvino-int8), its other settings
+      sentence-transformers' (OpenVINO: PERFORMANCE_HINT=LATENCY); the forward is the backend model
+      sentence-transformers' ``encode`` calls (``model[0].auto_model``) on the bench's inputs.
 
 Optional: each is skipped with a reason where sentence-transformers' extra is not installed. On 2026-11-26 pip
 resolves them only with transformers < 4.58 (optimum-onnx 0.1.0 and optimum-intel 1.27.0), so they run in a second
@@ -32,19 +34,24 @@ import torch
 
 from .models import ModelSet, Unavailable, bert_tokenizer
 
-BACKEND_PACKAGES = {"onnx": ("optimum.onnxruntime", "onnxruntime"), "openvino": ("optimum.intel", "openvino", "nncf")}
+# (export_static_quantized_openvino_model needs datasets, which neither extra installs)
+BACKEND_PACKAGES = {"onnx": ("optimum", "optimum.onnxruntime", "onnxruntime"),
+                    "openvino": ("optimum", "optimum.intel", "openvino", "nncf", "datasets")}
 
 
 def st_missing(backend: str) -> str | None:
     """Why sentence-transformers' ``backend`` ("onnx" or "openvino") cannot run here, or None."""
-    try:
-        missing = [m for m in ("sentence_transformers",) + BACKEND_PACKAGES[backend]
-                   if importlib.util.find_spec(m) is None]
-    except ModuleNotFoundError as e:  # (find_spec of a submodule imports its parent)
-        missing = [e.name]
+    missing = []
+    for name in ("sentence_transformers",) + BACKEND_PACKAGES[backend]:
+        parent = name.rpartition(".")[0]
+        if parent in missing:  # (find_spec of a submodule imports its parent)
+            continue
+        if importlib.util.find_spec(name) is None:
+            missing.append(name)
     if missing:
-        return (f"{', '.join(missing)} not installed: pip install 'sentence-transformers[{backend}]', which on "
-                "2026-11-26 resolves only with transformers < 4.58 (a second environment: benchmarks/README.md)")
+        return (f"{', '.join(missing)} not installed: pip install 'sentence-transformers[{backend}]'"
+                + (" datasets" if backend == "openvino" else "") + ", which on 2026-11-26 resolves only with "
+                "transformers < 4.58 (a second environment: benchmarks/README.md)")
     return None
 
 
@@ -79,6 +86,17 @@ def _calibration_folder(folder: str) -> str:
     return path
 
 
+def _ort_session_options():
+    """The ort provider's settings: torch's thread count, one inter-op thread, no spinning between calls (spinning
+    threads would take the cores from the provider timed next)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = torch.get_num_threads(), 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
 def build_st_int8(ms: ModelSet, opts, log, backend: str):
     reason = st_missing(backend)
     if reason:
@@ -92,29 +110,35 @@ def build_st_int8(ms: ModelSet, opts, log, backend: str):
     from sentence_transformers import SentenceTransformer
 
     name = f"st-{backend}-int8"
-    with tempfile.TemporaryDirectory(prefix=f"fastbench-{name}-") as folder, warnings.catch_warnings():
+    # (the folder lives as long as the forward: the backends may read their files after loading, as OpenVINO maps
+    # its weights)
+    folder = tempfile.TemporaryDirectory(prefix=f"fastbench-{name}-")
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _save_st_folder(ms, tokenizer, folder)
-        st_folder = os.path.join(folder, "st")
+        _save_st_folder(ms, tokenizer, folder.name)
+        st_folder = os.path.join(folder.name, "st")
         exported = SentenceTransformer(st_folder, backend=backend, device="cpu")
         if backend == "onnx":
             preset = _onnx_preset()
             sentence_transformers.export_dynamic_quantized_onnx_model(exported, preset, st_folder)
             file_name, how = f"onnx/model_qint8_{preset}.onnx", f"dynamic quantization, optimum's {preset} preset"
+            settings = {"session_options": _ort_session_options(), "provider": "CPUExecutionProvider"}
         else:
             from optimum.intel import OVQuantizationConfig
 
             sentence_transformers.export_static_quantized_openvino_model(
-                exported, OVQuantizationConfig(), st_folder, dataset_name=_calibration_folder(folder),
+                exported, OVQuantizationConfig(), st_folder, dataset_name=_calibration_folder(folder.name),
                 dataset_config_name="default", dataset_split="train", column_name="sentence")
             file_name = "openvino/openvino_model_qint8_quantized.xml"
             how = "NNCF static quantization (OVQuantizationConfig()), calibrated on the guard's sentences"
-        model = SentenceTransformer(st_folder, backend=backend, device="cpu", model_kwargs={"file_name": file_name})
+            settings = {"ov_config": {"INFERENCE_NUM_THREADS": torch.get_num_threads()}}
+        model = SentenceTransformer(st_folder, backend=backend, device="cpu",
+                                    model_kwargs={"file_name": file_name, **settings})
         backend_model = model[0].auto_model
-    log(f"  {name}: sentence-transformers {sentence_transformers.__version__}, {how}; threads: the backend's "
-        "default")
+    log(f"  {name}: sentence-transformers {sentence_transformers.__version__}, {how}; "
+        f"{torch.get_num_threads()} threads")
 
-    def forward(inputs):
+    def forward(inputs, _files=folder):  # (the folder held: see above)
         out = backend_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
         return SimpleNamespace(last_hidden_state=torch.as_tensor(out.last_hidden_state))
 

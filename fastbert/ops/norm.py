@@ -95,7 +95,8 @@ def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     """x [rows, cols] float32 -> (LayerNorm(x) * weight + bias [rows, cols], u8 [rows, cols] of that with
     ``quantize``'s static scale, or None): ``int8_linear.quantize_static``'s bytes of the first output. ``isa``:
     "avx2" runs the AVX2 rows where AVX-512 runs too (tests), "" the fastest. ``out``: where the first output is
-    written (returned as it), x itself included (each row is read whole before it is written), or None: new."""
+    written (returned as it): x itself (each row is read whole before it is written) or memory apart from x; None:
+    new."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"x must be a float32 CPU tensor [rows, cols], got {tuple(x.shape)} {x.dtype} on {x.device}")
     if out is not None and (out.device.type != "cpu" or out.dtype != torch.float32 or out.shape != x.shape
