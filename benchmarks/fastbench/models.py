@@ -137,6 +137,27 @@ def bert_tokenizer():
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def guard_sentences() -> list[str]:
+    """fastbert's shipped guard sentences (``fastbert/data/int8_guard.txt``): what the int8 anchors calibrate on."""
+    import importlib.resources
+
+    text = importlib.resources.files("fastbert").joinpath("data", "int8_guard.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def int8_anchor_tokenizer(ms: "ModelSet", missing: str | None, use: str):
+    """A tokenizer of ``ms``'s vocabulary for an int8 anchor that quantizes ``ms`` for the CPU (``use``: what for,
+    said when there is none); Unavailable with the reason where the anchor cannot run (``missing``: its packages)."""
+    if missing:
+        raise Unavailable(missing)
+    if ms.device.type != "cpu" or ms.dtype != "fp32":
+        raise Unavailable("quantizes float32 models for the CPU")
+    tokenizer = bert_tokenizer() if ms.config.vocab_size == 30522 else None
+    if tokenizer is None:
+        raise Unavailable(f"no tokenizer of {ms.name}'s vocabulary ({ms.config.vocab_size}) {use}")
+    return tokenizer
+
+
 def model_sizes(config) -> tuple[int, int, int, int]:
     """(hidden, intermediate, layers, heads) of any family's config (DistilBERT names them dim/hidden_dim/...)."""
     intermediate = getattr(config, "intermediate_size", None) or config.hidden_dim

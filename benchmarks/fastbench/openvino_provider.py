@@ -14,7 +14,6 @@ tokenizer at hand to calibrate with (BERT's 30522: all-MiniLM-L6-v2's).
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
 import os
 import tempfile
@@ -23,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .models import ModelSet, Unavailable, bert_tokenizer
+from .models import ModelSet, guard_sentences, int8_anchor_tokenizer
 
 
 def openvino_missing() -> str | None:
@@ -35,8 +34,7 @@ def openvino_missing() -> str | None:
 
 def _calibration(tokenizer) -> list[dict]:
     """The guard's sentences as feeds of 8, padded per batch (numpy int64 input_ids and attention_mask)."""
-    text = importlib.resources.files("fastbert").joinpath("data", "int8_guard.txt").read_text(encoding="utf-8")
-    sentences = [line.strip() for line in text.splitlines() if line.strip()]
+    sentences = guard_sentences()
     feeds = []
     for i in range(0, len(sentences), 8):
         batch = tokenizer(sentences[i:i + 8], padding=True, truncation=True, max_length=128, return_tensors="np")
@@ -47,14 +45,7 @@ def _calibration(tokenizer) -> list[dict]:
 
 def build_openvino_int8(ms: ModelSet, opts, log=print, precision: str | None = None):
     """``precision``: OpenVINO's INFERENCE_PRECISION_HINT ("f32"), None for its default."""
-    reason = openvino_missing()
-    if reason:
-        raise Unavailable(reason)
-    if ms.device.type != "cpu" or ms.dtype != "fp32":
-        raise Unavailable("quantizes float32 models for the CPU")
-    tokenizer = bert_tokenizer() if ms.config.vocab_size == 30522 else None
-    if tokenizer is None:
-        raise Unavailable(f"no tokenizer of {ms.name}'s vocabulary ({ms.config.vocab_size}) to calibrate with")
+    tokenizer = int8_anchor_tokenizer(ms, openvino_missing(), "to calibrate with")
     import nncf
     import openvino as ov
 

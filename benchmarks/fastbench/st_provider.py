@@ -23,7 +23,6 @@ environment (benchmarks/README.md).
 from __future__ import annotations
 
 import csv
-import importlib.resources
 import importlib.util
 import os
 import tempfile
@@ -32,7 +31,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .models import ModelSet, Unavailable, bert_tokenizer
+from .models import ModelSet, guard_sentences, int8_anchor_tokenizer
 
 # (export_static_quantized_openvino_model needs datasets, which neither extra installs)
 BACKEND_PACKAGES = {"onnx": ("optimum", "optimum.onnxruntime", "onnxruntime"),
@@ -76,13 +75,12 @@ def _save_st_folder(ms: ModelSet, tokenizer, folder: str) -> None:
 
 def _calibration_folder(folder: str) -> str:
     """The guard's sentences as a local dataset (train.csv, column "sentence") that ``datasets`` loads by path."""
-    text = importlib.resources.files("fastbert").joinpath("data", "int8_guard.txt").read_text(encoding="utf-8")
     path = os.path.join(folder, "calibration")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "train.csv"), "w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["sentence"])
-        writer.writerows([line.strip()] for line in text.splitlines() if line.strip())
+        writer.writerows([sentence] for sentence in guard_sentences())
     return path
 
 
@@ -98,14 +96,7 @@ def _ort_session_options():
 
 
 def build_st_int8(ms: ModelSet, opts, log, backend: str):
-    reason = st_missing(backend)
-    if reason:
-        raise Unavailable(reason)
-    if ms.device.type != "cpu" or ms.dtype != "fp32":
-        raise Unavailable("quantizes float32 models for the CPU")
-    tokenizer = bert_tokenizer() if ms.config.vocab_size == 30522 else None
-    if tokenizer is None:
-        raise Unavailable(f"no tokenizer of {ms.name}'s vocabulary ({ms.config.vocab_size}) to save with the model")
+    tokenizer = int8_anchor_tokenizer(ms, st_missing(backend), "to save with the model")
     import sentence_transformers
     from sentence_transformers import SentenceTransformer
 
