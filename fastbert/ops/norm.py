@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _extension, dispatch, int8, int8_handoff
+from .. import _extension, dispatch, int8, int8_handoff, int8_linear
 from ..dispatch import Backend, ByDesign
 from ..kernels import layer_norm as layer_norm_kernels
 from ..kernels.activation import ACTIVATIONS, BIAS_ACT_KINDS
@@ -120,15 +120,12 @@ def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
 
 
 def layer_norm_cpu_unavailable_reasons() -> list[str]:
-    """Why fastbert._C's LayerNorm cannot run here ([] when it can)."""
-    _C = _extension._C
-    if _C is None:
-        return [_extension._IMPORT_ERROR]
-    if not hasattr(_C, "layer_norm_cpu"):
+    """Why fastbert._C's LayerNorm cannot run here ([] when it can): the quantizer's reasons (it writes the
+    quantizer's u8 rows, on the CPUs the quantizer runs on), or an extension built before it."""
+    reasons = list(int8_linear.quantize_cpu_unavailable_reasons())
+    if not reasons and not hasattr(_extension._C, "layer_norm_cpu"):
         return ["fastbert._C predates the CPU LayerNorm; reinstall fastbert"]
-    if not _C.quantize_cpu_available():
-        return ["fastbert's CPU LayerNorm needs an x86-64 CPU with AVX2 and FMA"]
-    return []
+    return reasons
 
 
 def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
