@@ -289,6 +289,15 @@ def test_verdict_says_what_failed():
     assert bench.verdict([]) == "verdict: nothing was measured"
 
 
+def test_verdict_speaks_for_the_fastbert_variant_that_ran():
+    rows = _case_rows(1, {"hf-sdpa": 100.0, "fastbert-int8": 300.0, "openvino-int8": 280.0})
+    assert bench.verdict(rows) == ("verdict: fastbert-int8 vs hf-sdpa 3.00x real tok/s, slower in 0 of 1 cases; vs "
+                                   "openvino-int8 1.07x, slower in 0 of 1; outputs checked against HF")
+    both = _case_rows(1, {"hf-sdpa": 100.0, "fastbert": 150.0, "fastbert-int8": 300.0})
+    assert bench.verdict(both).startswith("verdict: fastbert vs hf-sdpa 1.50x real tok/s, slower in 0 of 1 cases; "
+                                          "vs fastbert-int8 0.50x")
+
+
 def test_verdict_warns_about_noise_smoke_runs_and_memory_growth():
     noisy = _case_rows(1, {"hf-sdpa": 100.0, "fastbert": 150.0}, other_cpu_pct=30.0)
     assert "; 1 of 1 cases timed while other processes used > 5% of the CPU" in bench.verdict(noisy)

@@ -11,7 +11,7 @@ from collections import Counter
 
 from .providers import BASELINE
 
-SUBJECT = "fastbert"
+SUBJECT = "fastbert"  # the provider the verdict speaks for; where it did not run, the first fastbert-* that did
 BUSY_PCT = 5.0  # other_cpu_pct above which a CPU timing is inflated by other processes (README: "a few %")
 MIN_REPS = 5  # fewer timed calls than this: a smoke run (the run warms about it too)
 
@@ -55,15 +55,23 @@ def ratio_text(ratios: list[float]) -> str:
     return one(lo) if lo == hi else f"{one(lo)}-{one(hi)}"
 
 
-def _speed(groups: list[list[dict]], providers: list[str]) -> list[str]:
-    others = [BASELINE] + [p for p in providers if p not in (BASELINE, SUBJECT)]
+def subject(providers: list[str]) -> str:
+    """Who the verdict speaks for: fastbert, or where only its variants ran (``--providers fastbert-int8,...``), the
+    first of them."""
+    if SUBJECT in providers:
+        return SUBJECT
+    return next((p for p in providers if p.startswith(SUBJECT + "-")), SUBJECT)
+
+
+def _speed(groups: list[list[dict]], providers: list[str], who: str) -> list[str]:
+    others = [BASELINE] + [p for p in providers if p not in (BASELINE, who)]
     ratios: dict[str, list[float]] = {p: [] for p in others}
     for group in groups:
         rate = {r["provider"]: number(r["real_tokens_per_s"]) for r in group if timed(r)}
-        if SUBJECT in rate:
+        if who in rate:
             for p in others:
                 if p in rate:
-                    ratios[p].append(rate[SUBJECT] / rate[p])
+                    ratios[p].append(rate[who] / rate[p])
     parts = []
     for p in others:
         rs = ratios[p]
@@ -71,23 +79,23 @@ def _speed(groups: list[list[dict]], providers: list[str]) -> list[str]:
             continue
         slower = sum(r < 1.0 for r in rs)
         if not parts:
-            parts.append(f"{SUBJECT} vs {p} {ratio_text(rs)} real tok/s, slower in {slower} of {len(rs)} cases")
+            parts.append(f"{who} vs {p} {ratio_text(rs)} real tok/s, slower in {slower} of {len(rs)} cases")
         else:
             parts.append(f"vs {p} {ratio_text(rs)}, slower in {slower} of {len(rs)}")
     return parts
 
 
-def _rss(groups: list[list[dict]]) -> str | None:
+def _rss(groups: list[list[dict]], who: str) -> str | None:
     """'RSS growth over 20 new shapes: fastbert +1.2 MB, hf-sdpa +0.3 MB' from the varied-shapes cases, or None."""
     varied = [g for g in groups if str(g[0].get("length_dist", "")).startswith("varied:")]
-    growth: dict[str, list[float]] = {SUBJECT: [], BASELINE: []}
+    growth: dict[str, list[float]] = {who: [], BASELINE: []}
     calls = set()
     for group in varied:
         for r in group:
             if r["provider"] in growth and timed(r) and number(r.get("rss_growth_mb")) is not None:
                 growth[r["provider"]].append(number(r["rss_growth_mb"]))
                 calls.add(int(number(r["reps"]) or 0))
-    if not growth[SUBJECT]:
+    if not growth[who]:
         return None
     most = "up to " if len(varied) > 1 else ""
     shapes = max(calls)
@@ -115,11 +123,11 @@ def verdict(rows: list[dict]) -> str:
     if not groups:
         return "verdict: nothing was measured"
     providers = list(dict.fromkeys(r["provider"] for r in rows))
-    parts = _speed(groups, providers)
+    who = subject(providers)
+    parts = _speed(groups, providers, who)
     if not parts:
-        parts = [f"{SUBJECT} was not timed in any case" if SUBJECT in providers
-                 else f"{SUBJECT} did not run (see the notes)"]
-    rss = _rss(groups)
+        parts = [f"{who} was not timed in any case" if who in providers else f"{who} did not run (see the notes)"]
+    rss = _rss(groups, who)
     if rss:
         parts.append(rss)
     parts.append(_outputs(rows))
