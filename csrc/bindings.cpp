@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "attention_int8_cpu.h"
 #include "embedding_layer_norm.h"
 #include "fingerprint.h"
 #include "layer_norm_cpu.h"
@@ -114,6 +115,23 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
                                         reinterpret_cast<const float*>(pos_key), reinterpret_cast<const float*>(pos_query),
                                         rel_rows, reinterpret_cast<const int32_t*>(rel_index), rel_center};
   fastbert::attention_cpu(args, num_threads, isa);
+}
+
+void attention_int8_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int64_t>& seqlens, int64_t heads,
+                        int64_t head_dim, double scale, int num_threads) {
+  if (heads < 1 || head_dim < 1) throw std::invalid_argument("heads and head_dim must be >= 1");
+  // (int32 sums: 255 * 127 per key of p v, 255 * 127 per dim of q k^T)
+  if (head_dim > 1024) throw std::invalid_argument("head_dim must be <= 1024");
+  int64_t tokens = 0;
+  for (int64_t length : seqlens) {
+    if (length < 0 || length > 65536) throw std::invalid_argument("seqlens must be in [0, 65536]");
+    tokens += length;
+  }
+  if (tokens == 0) return;
+  if (!out || !qkv) throw std::invalid_argument("null data pointer");
+  fastbert::attention_int8_cpu({reinterpret_cast<float*>(out), reinterpret_cast<const float*>(qkv), seqlens.data(),
+                                static_cast<int64_t>(seqlens.size()), heads, head_dim, static_cast<float>(scale)},
+                               num_threads);
 }
 
 fastbert::QuantizeCpuArgs quantize_args(std::uintptr_t x, std::uintptr_t out, int64_t rows, int64_t cols,
@@ -257,6 +275,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads"), py::arg("isa") = "", py::arg("pos_key") = 0, py::arg("pos_query") = 0, py::arg("rel_rows") = 0,
         py::arg("rel_index") = 0, py::arg("rel_center") = 0, py::call_guard<py::gil_scoped_release>());
 
+  m.def("attention_int8_cpu", &attention_int8_cpu,
+        "attention_cpu without position terms, its two matmuls in int8 (attention_int8_cpu.h): k and v with one "
+        "scale per sequence and head, q one per row, softmax's numerators as u8. Raises RuntimeError where "
+        "attention_int8_cpu_available() is false.",
+        py::arg("out"), py::arg("qkv"), py::arg("seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("scale"),
+        py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+
   m.def("quantize_per_call_cpu", &quantize_per_call_cpu,
         "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), one scale and zero point from "
         "the range of the real rows (real_index [real_rows] int64 when not 0, else the first real_rows): returns "
@@ -290,6 +315,9 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("attention_cpu_isas", &fastbert::attention_cpu_isas,
         "The instruction sets the CPU attention can run with here, fastest first ('avx512', 'avx2'); [] for none.");
+
+  m.def("attention_int8_cpu_available", &fastbert::attention_int8_cpu_available,
+        "Whether this CPU runs the int8 attention (x86-64 with AVX-512 F/BW/DQ/VL and VNNI).");
 
   m.def("fingerprint", &fingerprint,
         "A 64-bit hash of ~16 words sampled from each contiguous CPU buffer (pointers[i], nbytes[i] bytes; buffers "
