@@ -23,6 +23,10 @@ Where a recipe passes, the inputs it scales per call get static scales instead, 
 of them, so that the other half shows what values past the calibrated range do: no range is taken at run time. In
 every layer if the guard still passes; else in the layers where static scales cost least (each measured alone), as
 many as keep it passing; the others keep their per-call scales.
+
+Then, where the int8 attention runs (``ops/attention_int8.py``: AVX-512 VNNI) and ``quantize`` was not told
+``attention=False``, the attention of every such layer with a quantizable one (no window or position terms) runs q k^T
+and p v in int8 too, if the guard still passes with it; else none does.
 """
 
 import collections
@@ -37,6 +41,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import announce, int8, modeling, threads
+from .ops import attention_int8
 
 # What the int8 model must keep of the float32 one on the guard's sentences.
 MIN_MEAN_COSINE = 0.99
@@ -53,6 +58,7 @@ class _Layer(typing.NamedTuple):
     name: str
     linears: list[nn.Linear]  # every nn.Linear of the layer
     mlp_out: list[nn.Linear]  # those reading the MLP's activation (input width != hidden): the heaviest-tailed input
+    attention: list[nn.Module]  # its modules whose attention can run in int8 (``quantizable_attention``)
 
 
 def layers_of(encoder: modeling.FusedModel) -> list[_Layer]:
@@ -68,7 +74,8 @@ def layers_of(encoder: modeling.FusedModel) -> list[_Layer]:
                            for name in getattr(m, "float32_linears", ())}
                 linears = [m for m in layer.modules() if type(m) is nn.Linear and id(m) not in float32]
                 mlp_out = [m for m in linears if m.in_features != hidden]
-                layers.append(_Layer(f"{type(encoder).__name__}.{name}.{i}", linears, mlp_out))
+                attention = [m for m in layer.modules() if getattr(m, "quantizable_attention", False)]
+                layers.append(_Layer(f"{type(encoder).__name__}.{name}.{i}", linears, mlp_out, attention))
             return layers
     raise ValueError(f"no list of {count} layers found in {type(encoder).__name__}")
 
@@ -94,8 +101,11 @@ def choose(layers: list[_Layer], bits: int | None, recipe: _Recipe = RECIPES[0],
             float32: frozenset = frozenset(), static: dict | None = None) -> None:
     """Every Linear of ``layers`` in int8 with ``bits`` as ``recipe`` says (None: all float32), ``smooth[linear]`` its
     divisor, the layers named in ``float32`` left out; ``static`` {linear: (scale, zero point)}: those inputs'
-    fixed scales (where the recipe does not scale them per token)."""
+    fixed scales (where the recipe does not scale them per token). Every attention float32 (``_int8_attention``
+    chooses it after)."""
     for layer in layers:
+        for module in layer.attention:
+            int8.choose_attention(module, False)
         for linear in layer.linears:
             choice = None
             if bits is not None and layer.name not in float32:
@@ -114,7 +124,7 @@ def _per_token(recipe: _Recipe, layer: _Layer, linear: nn.Linear) -> bool:
 
 
 def run(model, encoders, layers: list[_Layer], bits: int, texts: list[str] | None, tokenizer,
-        show_progress_bar: bool | None) -> dict:
+        show_progress_bar: bool | None, attention: bool = True) -> dict:
     """Choose int8 for ``layers`` as the guard allows (module docstring), in a thread of its own (a process forked
     afterwards keeps its OpenMP threads); returns what was chosen, with the guard's figures."""
     tokenizer = _tokenizer(model, tokenizer, encoders)
@@ -123,14 +133,15 @@ def run(model, encoders, layers: list[_Layer], bits: int, texts: list[str] | Non
     if show_progress_bar is None:
         show_progress_bar = sys.stderr.isatty()
     with _evaluating(model), _Progress(show_progress_bar, len(batches)) as progress:
-        outcome = threads.in_own_thread(_ladder, model, encoders, layers, batches, bits, progress)
+        outcome = threads.in_own_thread(_ladder, model, encoders, layers, batches, bits, progress, attention)
     return {**outcome, "sentences": len(texts), **({"left_out_unknown": left_out} if left_out else {})}
 
 
 @torch.inference_mode()
-def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress) -> dict:
+def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress, attention: bool) -> dict:
     """The first of ``RECIPES`` the guard passes with, else the last one with the costliest layers in float32 until
-    it passes; the guard's figures and what was chosen."""
+    it passes (then with int8 attention, where ``attention`` and it still passes); the guard's figures and what was
+    chosen."""
     def outputs(calibration: dict | None = None):
         return _outputs(model, encoders, batches, progress, calibration)
 
@@ -147,8 +158,10 @@ def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress) -> d
         if _passes(figures):
             static, figures = _static_where_it_passes(layers, bits, recipe, smooth, ranges, figures,
                                                       lambda: _compare(reference, outputs()), progress)
+            quantized, figures = _int8_attention(layers, figures, lambda: _compare(reference, outputs()), progress) \
+                if attention else ([], figures)
             return {"outcome": "int8", "recipe": recipe.name, "float32_layers": [], "static_layers": static,
-                    **figures}
+                    "attention_layers": quantized, **figures}
     float32, costs = [], {}
     names = [layer.name for layer in layers]
     progress.more(2 * len(names) - 1)
@@ -203,6 +216,26 @@ def _static_where_it_passes(layers: list[_Layer], bits: int, recipe: _Recipe, sm
             high = middle - 1
     only(order[:best], judged=False)
     return order[:best], best_figures
+
+
+def _int8_attention(layers: list[_Layer], figures: dict, judge, progress) -> tuple[list[str], dict]:
+    """The attention of every layer that has a quantizable one in int8, where the kernel runs here, if the guard
+    still passes (module docstring): (the names of those layers, the guard's figures with it); else none, and
+    ``figures``."""
+    candidates = [layer for layer in layers if layer.attention]
+    if not candidates or attention_int8.unavailable_reasons():
+        return [], figures
+    progress.more(1)
+    for layer in candidates:
+        for module in layer.attention:
+            int8.choose_attention(module, True)
+    quantized = judge()
+    if _passes(quantized):
+        return [layer.name for layer in candidates], quantized
+    for layer in candidates:
+        for module in layer.attention:
+            int8.choose_attention(module, False)
+    return [], figures
 
 
 def _smoothing(layers: list[_Layer], ranges: dict) -> dict:

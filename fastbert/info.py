@@ -13,7 +13,7 @@ import types
 import torch
 
 from . import __version__, _extension, announce, cpu, dispatch, int8, int8_decisions, models, threads, validation
-from .ops import attention
+from .ops import attention, attention_int8
 from .optimize import reports as optimize_reports
 
 
@@ -66,9 +66,11 @@ def info() -> dict:
             "onednn_margin": cpu.ONEDNN_MARGIN,
             "measured_gflops": {str(d).removeprefix("torch."): g for d, g in cpu.gemm_figures_so_far().items()},
         },
-        # CPU int8 (fastbert.quantize): whether it runs here and on which ISA path, the measured GFLOP/s, and what
-        # each quantize() call decided, with its guard's figures and the layers it kept in float32.
-        "int8": {**int8.report(), "models": int8_decisions.reports()},
+        # CPU int8 (fastbert.quantize): whether it runs here and on which ISA path, the measured GFLOP/s, why the int8
+        # attention cannot run here (empty: it can), and what each quantize() call decided, with its guard's
+        # figures, the layers it kept in float32 and those whose attention runs in int8.
+        "int8": {**int8.report(), "attention_unavailable": attention_int8.unavailable_reasons(),
+                 "models": int8_decisions.reports()},
         "backends": backends,
         "reasons": reasons,
         # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,
@@ -117,6 +119,9 @@ def summary(report: dict) -> str:
     lines.append(f"int8 (fastbert.quantize): {'runs' if int8_report['available'] else 'does not run'} here, "
                  f"{int8_report['isa']}" + ("" if int8_report["available"] else
                                             f" ({'; '.join(int8_report['reasons'])})"))
+    unavailable = int8_report["attention_unavailable"]
+    lines.append("  its attention in int8 (where the guard passes): "
+                 + (f"does not run here ({'; '.join(unavailable)})" if unavailable else "runs here"))
     for title, key in (("fallbacks so far", "fallbacks"), ("notes so far", "notes")):
         if report[key]:
             lines.append(f"{title}:")

@@ -24,6 +24,7 @@ from torch import nn
 from . import cpu, derived, dispatch, int8_linear, plan
 
 ATTRIBUTE = "_fastbert_int8"  # on a chosen nn.Linear: its Choice
+ATTENTION = "_fastbert_int8_attention"  # on a module whose attention runs in int8 (ops/attention_int8.py): True
 CONFIG_KEY = "fastbert_int8"  # in an encoder's config: its Choices, saved and loaded with the checkpoint
 CONFIG_VERSION = 1
 
@@ -65,12 +66,28 @@ def chosen(linear: nn.Module) -> Choice | None:
     return linear.__dict__.get(ATTRIBUTE)
 
 
+def choose_attention(module: nn.Module, on: bool) -> None:
+    """Run the attention of ``module`` (a fused module whose class has ``quantizable_attention``) in int8, or in
+    float32 again; the next forward of every model decides its ops again."""
+    if attention_chosen(module) != on:
+        if on:
+            module.__dict__[ATTENTION] = True
+        else:
+            module.__dict__.pop(ATTENTION, None)
+        plan.converted()
+
+
+def attention_chosen(module: nn.Module) -> bool:
+    return module.__dict__.get(ATTENTION, False)
+
+
 # --- choices that travel with the checkpoint ------------------------------------------------------------------------
 # An encoder's choices go into its config (``config.fastbert_int8``), which every way of saving a model writes
 # (``save_pretrained`` of the encoder or of a head around it, ``SentenceTransformer.save``, the Hub) and transformers
 # reads back as an attribute it ignores. The fp32 weights stay the checkpoint's; the config holds, per Linear (by
-# its name under the encoder), the per-token flag and the SmoothQuant divisor (float32, base64), the weight bits, and
-# a digest of the weights the guard judged, so a decision is never applied to other weights.
+# its name under the encoder), the per-token flag and the SmoothQuant divisor (float32, base64), the weight bits, a
+# digest of the weights the guard judged, so a decision is never applied to other weights, and the modules whose
+# attention runs in int8.
 
 
 def weights_digest(linears: dict[str, nn.Linear]) -> str:
@@ -83,8 +100,10 @@ def weights_digest(linears: dict[str, nn.Linear]) -> str:
 
 def to_config(encoder: nn.Module, bits: int, meta: dict) -> None:
     """Write the choices of ``encoder``'s Linears, with ``meta`` (recipe, guard figures), into its config."""
-    linears, entries = {}, {}
+    linears, entries, attention = {}, {}, []
     for name, module in encoder.named_modules():
+        if attention_chosen(module):
+            attention.append(name)
         choice = chosen(module)
         if choice is None:
             continue
@@ -99,12 +118,13 @@ def to_config(encoder: nn.Module, bits: int, meta: dict) -> None:
         encoder.config.__dict__.pop(CONFIG_KEY, None)
         return
     setattr(encoder.config, CONFIG_KEY, {"version": CONFIG_VERSION, **meta, "weight_bits": bits,
-                                         "weights": weights_digest(linears), "linears": entries})
+                                         "weights": weights_digest(linears), "linears": entries,
+                                         "attention": attention})
 
 
-def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Linear, Choice] | None, str]:
-    """(the Linears and Choices ``encoder``'s config holds, or None; why not, when there is a saved decision that
-    does not fit this model or CPU)."""
+def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Module, Choice | bool] | None, str]:
+    """(the Linears and Choices ``encoder``'s config holds, and the modules whose attention runs in int8 (True), or
+    None; why not, when there is a saved decision that does not fit this model or CPU)."""
     saved = getattr(encoder.config, CONFIG_KEY, None)
     if saved is None:
         return None, ""
@@ -132,6 +152,11 @@ def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Linear, Choice] 
             choices[linear], named[name] = Choice(bits, smooth, bool(entry["per_token"]), static), linear
         if weights_digest(named) != saved["weights"]:
             return None, "the weights differ from those it was judged on (run fastbert.quantize(model) again)"
+        for name in saved.get("attention", []):  # (saved before int8 attention: none)
+            module = modules.get(name)
+            if not getattr(module, "quantizable_attention", False):
+                return None, f"the model has no module {name!r} whose attention can run in int8"
+            choices[module] = True
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         return None, f"it cannot be read ({type(error).__name__}: {error})"
     return choices, ""

@@ -54,10 +54,12 @@ def apply_saved(model: nn.Module, encoders: list[nn.Module]) -> bool:
         for module in encoder.modules():
             if type(module) is nn.Linear:
                 int8.choose(module, choices.get(module))
+            int8.choose_attention(module, choices.get(module) is True)
     saved = getattr(encoders[0].config, int8.CONFIG_KEY)
     record(model, {"outcome": "int8", "guard": saved.get("guard", False), "recipe": saved.get("recipe"),
                    "float32_layers": saved.get("float32_layers", []),
-                   "static_layers": saved.get("static_layers", []), **saved.get("figures", {}),
+                   "static_layers": saved.get("static_layers", []),
+                   "attention_layers": saved.get("attention_layers", []), **saved.get("figures", {}),
                    "from": "the decision saved with the checkpoint"})
     return True
 
@@ -87,6 +89,9 @@ def describe(report: dict) -> str:
     static = report.get("static_layers") or []
     if static:
         text += f", static activation scales in {len(static)} layer{'s' if len(static) > 1 else ''}"
+    attention = report.get("attention_layers") or []
+    if attention:
+        text += f", int8 attention in {len(attention)} layer{'s' if len(attention) > 1 else ''}"
     if report.get("from"):
         text += f", {report['from']}"
     if "mean_cosine" in report:

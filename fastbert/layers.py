@@ -23,7 +23,7 @@ derived from them: rotary tables, a relative bias).
 import torch
 from torch import nn
 
-from . import derived, padding, plain, plan
+from . import derived, int8, padding, plain, plan
 from .ops import activation, embedding, gemm, mlp, norm
 from .ops.attention import attention
 from .positions import Positions
@@ -41,6 +41,9 @@ class Fused:
     # Child Linears the fused path calls on rows that are not tokens (DeBERTa's position projections, on the relative
     # embeddings): ``fastbert.quantize`` leaves them float32.
     float32_linears: tuple[str, ...] = ()
+    # Whether this module's attention may run in int8 (``ops/attention_int8.py``), where ``fastbert.quantize``'s guard
+    # chooses it (``int8.choose_attention``): a self-attention without a window or position terms.
+    quantizable_attention: bool = False
 
     def _apply(self, *args, **kwargs):
         derived.clear(self)
@@ -74,11 +77,14 @@ class FusedEmbeddings(Fused):
 
 
 class FusedSelfAttention(Fused):
+    quantizable_attention = True  # (BERT's family: no position terms in the attention)
+
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
         """[N, hidden] -> attention context [N, hidden]."""
         qkv = gemm.stacked(x, (self.query, self.key, self.value))  # [N, 3 * hidden]
         p = self.dropout.p if self.training else 0.0
-        return attention(qkv, layout, self.num_attention_heads, p, relative_bias=positions.relative_bias)
+        return attention(qkv, layout, self.num_attention_heads, p, relative_bias=positions.relative_bias,
+                         quantized=int8.attention_chosen(self))
 
 
 class FusedDenseResidualLayerNorm(Fused):

@@ -1,15 +1,16 @@
 """``fastbert.quantize(model)``: the encoder's GEMMs in int8 on the CPU, kept only where real sentences say the
 embeddings stay what they were.
 
-    quantize(model, guard=True, texts=None, tokenizer=None, show_progress_bar=None) -> model, in place
+    quantize(model, guard=True, texts=None, tokenizer=None, show_progress_bar=None, attention=True) -> model, in place
 
 1. ``optimize(model)``, then every nn.Linear inside an encoder layer (per layer: QKV, attention output + residual,
-   FFN in + activation, FFN out + residual) is chosen for int8 (``int8.py``). Embeddings, LayerNorms, attention,
-   pooler and heads stay float32; the fp32 parameters stay as they are (state_dict, ``save_pretrained``).
+   FFN in + activation, FFN out + residual) is chosen for int8 (``int8.py``). Embeddings, LayerNorms, pooler and
+   heads stay float32; the fp32 parameters stay as they are (state_dict, ``save_pretrained``).
 2. The guard (``guard.py``) compares the int8 model with float32 on real sentences and climbs a ladder of recipes
    (per-call scales, SmoothQuant with per-token scales, layers kept in float32) until they agree, or leaves the
    model float32 with a warning; where they agree, static activation scales calibrated on those sentences replace
-   the per-call ones in the layers where the guard still passes.
+   the per-call ones in the layers where the guard still passes, and the attention's two matmuls run in int8 too
+   (``ops/attention_int8.py``, on CPUs with AVX-512 VNNI) if it still passes with them.
 3. The decision goes into the encoder's config (``config.fastbert_int8``), so a saved model (``save_pretrained``,
    ``SentenceTransformer.save``) carries it: loading it through fastbert (``optimize``, the Auto classes, a family
    class's ``from_pretrained``) runs the same int8 GEMMs without the guard, where the weights and this CPU's weight
@@ -30,7 +31,7 @@ from .optimize import accelerate
 
 
 def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = None, tokenizer=None,
-             show_progress_bar: bool | None = None) -> nn.Module:
+             show_progress_bar: bool | None = None, attention: bool = True) -> nn.Module:
     """Run the GEMMs of every encoder layer in ``model`` in int8 on this CPU; returns ``model`` (changed in place).
 
     ``model``: anything ``fastbert.optimize`` accepts (fastbert and transformers models and heads,
@@ -39,8 +40,12 @@ def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = 
     result (``guard.py``). ``texts``: your own sentences (default: fastbert's, or the decision saved with the
     checkpoint). ``tokenizer``: the model's tokenizer, for the guard (default: a ``SentenceTransformer``'s or
     ``CrossEncoder``'s own, else the one saved with the checkpoint). ``show_progress_bar``: the guard's (default:
-    when stderr is a terminal). ``FASTBERT_CPU_INT8=off`` runs the chosen GEMMs in float32 again.
+    when stderr is a terminal). ``attention``: let the guard run the attention's q k^T and p v in int8 too where it
+    passes with them (never without the guard). ``FASTBERT_CPU_INT8=off`` runs the chosen GEMMs and attention in
+    float32 again.
     """
+    if not isinstance(attention, bool):
+        raise TypeError(f"attention must be True or False, got {attention!r}")
     encoders = _encoders(model)
     reasons = int8.unavailable_reasons()
     if reasons:
@@ -53,15 +58,16 @@ def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = 
                           "with a Linear (num_hidden_layers=0?); it stays float32")
         return record(model, {"outcome": "float32", "why": "nothing to quantize: no encoder layer has a Linear"})
     bits = int8.weight_bits()
-    if guard and texts is None and apply_saved(model, encoders):
+    if guard and texts is None and attention and apply_saved(model, encoders):
         return model
     if not guard:
         int8_guard.choose(layers, bits)
         outcome = {"outcome": "int8", "guard": False, "recipe": int8_guard.RECIPES[0].name, "float32_layers": []}
     else:
-        outcome = {**int8_guard.run(model, encoders, layers, bits, texts, tokenizer, show_progress_bar),
+        outcome = {**int8_guard.run(model, encoders, layers, bits, texts, tokenizer, show_progress_bar, attention),
                    "guard": True}
-    meta = {key: outcome[key] for key in ("recipe", "float32_layers", "static_layers", "guard") if key in outcome}
+    meta = {key: outcome[key] for key in ("recipe", "float32_layers", "static_layers", "attention_layers", "guard")
+            if key in outcome}
     for encoder in encoders:  # (the decision, or none where the model stayed float32, goes with the checkpoint)
         int8.to_config(encoder, bits, {**meta, "figures": {k: v for k, v in outcome.items() if "cosine" in k
                                                            or "agreement" in k}})

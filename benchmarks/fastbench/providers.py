@@ -97,7 +97,8 @@ def _build_fastbert_int8(ms: ModelSet, opts, log) -> Forward:
         raise Unavailable(f"fastbert.quantize kept {ms.name} in float32: {report.get('why')}")
     figures = ", ".join(f"{k} {report[k]}" for k in ("mean_cosine", "p1_cosine", "min_cosine") if k in report)
     log(f"  fastbert-int8: {report['isa']}; recipe: {report['recipe']}; static activation scales in "
-        f"{len(report.get('static_layers') or [])} layers; float32 layers: {report['float32_layers'] or 'none'}"
+        f"{len(report.get('static_layers') or [])} layers; int8 attention in "
+        f"{len(report.get('attention_layers') or [])} layers; float32 layers: {report['float32_layers'] or 'none'}"
         + (f"; guard: {figures}" if figures else "; no guard (no tokenizer)"))
     return _module_forward(model)
 

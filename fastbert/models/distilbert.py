@@ -12,17 +12,20 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.distilbert import modeling_distilbert as hf
 
-from .. import layers, modeling, padding
+from .. import int8, layers, modeling, padding
 from ..ops import activation, gemm, norm
 from ..ops.attention import attention
 from ..positions import Positions
 
 
 class FusedSelfAttention(layers.Fused):
+    quantizable_attention = True
+
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout) -> torch.Tensor:
         """[N, dim] -> attention context [N, dim], before ``out_lin`` (the block fuses it with the LayerNorm)."""
         qkv = gemm.stacked(x, (self.q_lin, self.k_lin, self.v_lin))  # [N, 3 * dim]
-        return attention(qkv, layout, self.n_heads, self.dropout.p if self.training else 0.0)
+        return attention(qkv, layout, self.n_heads, self.dropout.p if self.training else 0.0,
+                         quantized=int8.attention_chosen(self))
 
 
 class FusedTransformerBlock(layers.Fused):

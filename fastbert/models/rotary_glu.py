@@ -15,7 +15,7 @@ The layers sit on the model itself (``model.layers``, no encoder module); HF's m
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .. import layers, modeling, padding
+from .. import int8, layers, modeling, padding
 from ..ops import glu, norm, rotary
 from ..ops.attention import attention
 from ..ops.gemm import stacked
@@ -23,12 +23,15 @@ from ..positions import Positions
 
 
 class FusedSelfAttention(layers.Fused):
+    quantizable_attention = True  # (rotary positions are applied to q and k before the attention)
+
     def fused(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions) -> torch.Tensor:
         """[N, hidden] -> attention context [N, heads * head_dim], before ``o_proj``."""
         num_heads = self.config.num_attention_heads
         qkv = stacked(x, (self.q_proj, self.k_proj, self.v_proj))  # [N, 3 * heads * head_dim], a fresh tensor
         qkv = rotary.rotary(qkv, *positions.rotary[rotary.DEFAULT], num_heads)
-        return attention(qkv, layout, num_heads, self.attention_dropout if self.training else 0.0)
+        return attention(qkv, layout, num_heads, self.attention_dropout if self.training else 0.0,
+                         quantized=int8.attention_chosen(self))
 
 
 class FusedMLP(layers.Fused):

@@ -2,7 +2,8 @@
 
     gemm.py        linear: QKV stacked, dense + activation or residual in the epilogue  int8, onednn, torch
     embedding.py   LayerNorm(word[ids] + position[pos] + token_type[tt])                cuda-ext, cpu-ext, triton, torch
-    attention.py   softmax(q k^T / sqrt(d) + bias) v over each sequence's tokens        cpu-ext, triton, torch
+    attention.py   softmax(q k^T / sqrt(d) + bias) v over each sequence's tokens        cpu-int8, cpu-ext, triton, torch
+    attention_int8.py  its q k^T and p v in int8 (the cpu-int8 backend, quantized models)
     rotary.py      RoPE on q and k                                                      triton, torch
     norm.py        LayerNorm(dense(x) + residual), pre-norm LayerNorm, LayerNorm(act)   triton, torch
     activation.py  act(dense(x))                                                        triton, torch

@@ -5,6 +5,8 @@
 Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_varlen.py``'s
 ``attention_varlen_ref``. Backends, fastest first:
 
+  cpu-int8 ``attention_int8.py``: q k^T and p v in int8 (AVX-512 VNNI), for the layers ``fastbert.quantize``'s guard
+           judged with it (``quantized``); opt-in, and only without a window or position terms
   cpu-ext  fastbert._C's C++ kernel (csrc/attention_cpu.h): float32 inference on the CPU over packed tokens or a batch
            without padding, where it measured faster than SDPA on this CPU (``cpu.attention_figures``)
   triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
@@ -26,12 +28,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .. import _extension, cpu, dispatch
-from ..dispatch import Backend, MeasuredChoice
+from .. import _extension, cpu, dispatch, int8
+from ..dispatch import Backend, ByDesign, MeasuredChoice
 from ..kernels import attention as triton_attention
 from ..kernels import attention_varlen as triton_varlen
 from ..kernels._common import launch_or_op
 from ..padding import TokenLayout
+from . import attention_int8
 from . import disentangled as position_terms
 from .disentangled import Disentangled, Tables
 from ..plan import decided
@@ -274,6 +277,23 @@ class Call:
     reasons: tuple[str, ...]  # why only torch's differentiable SDPA may run it (gradients, dropout, a trainable bias)
     device: torch.device
     dtype: torch.dtype
+    quantized: bool = False  # the layer's attention was chosen to run in int8 (``int8.choose_attention``)
+
+
+def _int8_why_not(call: Call) -> list[str]:
+    if not call.quantized:
+        return [ByDesign("not chosen by fastbert.quantize")]
+    return [f"the int8 attention runs in float32: {reason}" for reason in
+            list(call.reasons) or int8.unavailable_reasons() or attention_int8.unavailable_reasons()]
+
+
+def _int8_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
+    if layout.packed:
+        return attention_int8.attention_int8_cpu(heads, layout.seqlens)
+    if _every_key_real(layout):
+        return attention_int8.attention_int8_cpu(heads, (layout.seq_len,) * layout.batch)
+    # (unpad=False keeps padded rows: torch's float32 SDPA, as the float32 kernel does)
+    return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled)
 
 
 def _triton_why_not(call: Call) -> list[str]:
@@ -335,6 +355,7 @@ def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangl
 # (cpu-ext before triton: on a CPU the C++ kernel, and Triton only where asked for, FASTBERT_BACKEND=triton under
 # its interpreter; on a GPU cpu-ext never applies)
 BACKENDS = dispatch.register("attention", [
+    Backend("cpu-int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), dtypes=(torch.float32,), opt_in=True),
     # (float32 only: bfloat16 takes torch's flash SDPA, which keeps its scores in float32 too)
     Backend("cpu-ext", run=_cpu_run, unavailable=_cpu_unavailable, why_not=lambda call: list(call.reasons),
             devices=("cpu",), dtypes=(torch.float32,)),
@@ -353,17 +374,17 @@ DISENTANGLED_BACKENDS = dispatch.register("disentangled_attention", [
 
 
 def _decide(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: float, head_dim: int,
-            disentangled: Disentangled | None):
+            disentangled: Disentangled | None, quantized: bool):
     tables = () if disentangled is None else (disentangled.pos_key, disentangled.pos_query)
     reasons = dispatch.needs_reference(qkv, relative_bias, *tables, dropout_p=dropout_p)
     op, backends = ("attention", BACKENDS) if disentangled is None else ("disentangled_attention",
                                                                          DISENTANGLED_BACKENDS)
-    return dispatch.decide(op, backends, Call(head_dim, tuple(reasons), qkv.device, qkv.dtype))
+    return dispatch.decide(op, backends, Call(head_dim, tuple(reasons), qkv.device, qkv.dtype, quantized))
 
 
 def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0,
               window: int | None = None, relative_bias: torch.Tensor | None = None,
-              disentangled: Disentangled | None = None) -> torch.Tensor:
+              disentangled: Disentangled | None = None, quantized: bool = False) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + bias) v per head, over each sequence's real tokens.
 
     qkv: [rows, 3 * hidden] -> [rows, hidden] (rows: the layout's tokens, then its spare rows, which come out zero).
@@ -372,13 +393,18 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
     positions, shared by every layer).
     disentangled: None, or DeBERTa's position terms over the layout's tokens (``ops/disentangled.py``), with the
     scale they and the scores share.
+    quantized: q k^T and p v in int8 where they can run so (``attention_int8.py``; the layer's choice, made by
+    ``fastbert.quantize``'s guard): without a window or position terms only.
     """
+    if quantized and (window is not None or relative_bias is not None or disentangled is not None):
+        raise ValueError("the int8 attention (quantized=True) takes no window, relative bias or position terms")
     tokens, hidden = layout.tokens, qkv.shape[1] // 3
     head_dim = hidden // num_heads
     # (the same decision for every layer with the same arguments; a trainable bias needs the differentiable path too)
     decision = decided(None, ("attention", qkv.requires_grad, relative_bias is not None and relative_bias.requires_grad,
-                              dropout_p, head_dim, None if disentangled is None else disentangled.requires_grad()),
-                       _decide, qkv, relative_bias, dropout_p, head_dim, disentangled)
+                              dropout_p, head_dim, None if disentangled is None else disentangled.requires_grad(),
+                              quantized),
+                       _decide, qkv, relative_bias, dropout_p, head_dim, disentangled, quantized)
     real = qkv[:tokens] if layout.spare_rows else qkv
     out = decision(real.view(tokens, 3, num_heads, head_dim), layout, dropout_p, window, relative_bias, disentangled)
     out = out.reshape(tokens, hidden)  # (SDPA's math backend, for dropout and float64, returns [B, H, S, D] memory)
