@@ -233,13 +233,21 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
   scratch.scores.resize(ROWS * Lp);
   float* kt = scratch.kt.data();
   float* vp = scratch.vp.data();
-  // k^T: LANES keys' element d by one gather (a scalar transposition costs a fifth of the task at 128 tokens)
+  // k^T: LANES keys' element d by one gather (a scalar transposition costs a fifth of the task at 128 tokens). The
+  // keys' rows are 3 H D floats apart, which no hardware prefetcher follows: the next LANES rows of k and v are
+  // prefetched while these are gathered.
   int64_t gathered = 0;
   if (qkv_stride * LANES < INT32_MAX) {
     ivec offsets;
     for (int i = 0; i < LANES; i++) offsets[i] = static_cast<int32_t>(i * qkv_stride);
-    for (; gathered + LANES <= L; gathered += LANES)
+    for (; gathered + LANES <= L; gathered += LANES) {
+      for (int64_t j = gathered + LANES; j < std::min<int64_t>(gathered + 2 * LANES, L); j++)
+        for (int64_t d = 0; d < D; d += 16) {
+          __builtin_prefetch(k + j * qkv_stride + d);
+          __builtin_prefetch(v + j * qkv_stride + d);
+        }
       for (int64_t d = 0; d < D; d++) store(kt + d * Lp + gathered, gather(k + gathered * qkv_stride + d, offsets));
+    }
   }
   for (int64_t j = gathered; j < L; j++)
     for (int64_t d = 0; d < D; d++) kt[d * Lp + j] = k[j * qkv_stride + d];
@@ -305,6 +313,8 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
     const int rows = static_cast<int>(std::min<int64_t>(ROWS, i_end - i0));
     const float* query[ROWS];
     for (int r = 0; r < ROWS; r++) query[r] = q + (i0 + std::min(r, rows - 1)) * qkv_stride;  // spare rows: a copy
+    for (int64_t i = i0 + ROWS; i < std::min<int64_t>(i0 + 2 * ROWS, i_end); i++)  // (the next tile's queries)
+      for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(q + i * qkv_stride + d);
 
     score_rows(query, kt, D, Lp, s);
     if (c2p) score_rows(query, scratch.rkt.data(), D, Np, c2p);
