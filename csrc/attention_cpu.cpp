@@ -7,21 +7,16 @@
 // QK_VECS or PV_VECS vectors) keep each loaded key or value vector for ROWS FMAs. Seen on an AMD EPYC Zen 4 (AVX-512),
 // one thread, 12 heads of 64, 256 tokens: 84 GFLOP/s, where torch's bmm, softmax and bmm reached 40 to 66.
 #include "attention_cpu.h"
+#include "attention_tasks.h"
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define FASTBERT_X86_KERNELS 1

@@ -361,64 +361,13 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
   }
 }
 
-struct Task {
-  int64_t row0, length, head, i_begin, i_end;
-};
-
 KERNEL_TARGET void run(const fastbert::AttentionCpuArgs& a, int num_threads) {
-  if (a.batch == 0) return;
-  // Longest sequences first, so that dynamic scheduling ends with the small tasks.
-  std::vector<int64_t> order(a.batch), starts(a.batch);
-  int64_t row = 0;
-  for (int64_t b = 0; b < a.batch; b++) {
-    order[b] = b;
-    starts[b] = row;
-    row += a.seqlens[b];
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return a.seqlens[x] > a.seqlens[y]; });
-#if defined(_OPENMP)
-  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-#else
-  const int threads = 1;
-#endif
-  // A task packs its head's k and v, then runs its queries: one task per (sequence, head), unless that leaves
-  // fewer than 4 tasks per thread (one long sequence on many cores): then blocks of at least 64 queries.
-  const int64_t heads_of_sequences = a.batch * a.heads;
-  int64_t block = INT64_MAX;
-  if (heads_of_sequences < 4 * threads) {
-    const int64_t splits = (4 * threads + heads_of_sequences - 1) / std::max<int64_t>(heads_of_sequences, 1);
-    block = std::max<int64_t>(64, (a.seqlens[order.empty() ? 0 : order[0]] + splits - 1) / splits);
-  }
-  std::vector<Task> tasks;
-  for (int64_t b : order)
-    for (int64_t h = 0; h < a.heads; h++)
-      for (int64_t i = 0, L = a.seqlens[b]; i < L; i += std::min(block, L - i))
-        tasks.push_back({starts[b], L, h, i, i + std::min(block, L - i)});
-  const int64_t count = static_cast<int64_t>(tasks.size());
-  bool out_of_memory = false;  // (an exception must not leave an OpenMP region: it would end the process)
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads) if (count > 1 && threads > 1)
-#else
-  (void)num_threads;
-#endif
-  {
-    Scratch scratch;
-#if defined(_OPENMP)
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (int64_t t = 0; t < count; t++) {
-      const Task& task = tasks[t];
-      try {
-        attend_block(a, task.row0, task.length, task.head, task.i_begin, task.i_end, scratch);
-      } catch (const std::bad_alloc&) {
-#if defined(_OPENMP)
-#pragma omp atomic write
-#endif
-        out_of_memory = true;
-      }
-    }
-  }
-  if (out_of_memory) throw std::bad_alloc();
+  const int threads = fastbert::attention_threads(num_threads);
+  fastbert::for_each_attention_task<Scratch>(
+      fastbert::attention_tasks(a.seqlens, a.batch, a.heads, threads), threads,
+      [&](const fastbert::AttentionTask& t, Scratch& scratch) {
+        attend_block(a, t.row0, t.length, t.head, t.i_begin, t.i_end, scratch);
+      });
 }
 
 }  // namespace KERNEL_NAMESPACE

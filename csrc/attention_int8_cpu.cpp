@@ -14,20 +14,15 @@
 // Xeon (AVX-512 VNNI, 2 threads), 12 heads of 64 at 8 x 128 tokens, 12 layers took 15 ms against the float32
 // kernel's 34.
 #include "attention_int8_cpu.h"
+#include "attention_tasks.h"
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <new>
 #include <stdexcept>
 #include <vector>
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define FASTBERT_INT8_ATTENTION 1
@@ -306,62 +301,12 @@ VNNI void attend_block(const AttentionInt8CpuArgs& a, int64_t row0, int64_t L, i
   }
 }
 
-struct Task {
-  int64_t row0, length, head, i_begin, i_end;
-};
-
 VNNI void run(const AttentionInt8CpuArgs& a, int num_threads) {
-  // As attention_cpu's run: longest sequences first, a task per (sequence, head) unless that leaves fewer than 4
-  // per thread, then blocks of at least 64 queries (each block packs its head's k and v again).
-  std::vector<int64_t> order(a.batch), starts(a.batch);
-  int64_t row = 0;
-  for (int64_t b = 0; b < a.batch; b++) {
-    order[b] = b;
-    starts[b] = row;
-    row += a.seqlens[b];
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return a.seqlens[x] > a.seqlens[y]; });
-#if defined(_OPENMP)
-  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-#else
-  const int threads = 1;
-#endif
-  const int64_t heads_of_sequences = a.batch * a.heads;
-  int64_t block = INT64_MAX;
-  if (heads_of_sequences < 4 * threads) {
-    const int64_t splits = (4 * threads + heads_of_sequences - 1) / std::max<int64_t>(heads_of_sequences, 1);
-    block = std::max<int64_t>(64, (a.seqlens[order[0]] + splits - 1) / splits);
-  }
-  std::vector<Task> tasks;
-  for (int64_t b : order)
-    for (int64_t h = 0; h < a.heads; h++)
-      for (int64_t i = 0, L = a.seqlens[b]; i < L; i += std::min(block, L - i))
-        tasks.push_back({starts[b], L, h, i, i + std::min(block, L - i)});
-  const int64_t count = static_cast<int64_t>(tasks.size());
-  bool out_of_memory = false;  // (an exception must not leave an OpenMP region: it would end the process)
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads) if (count > 1 && threads > 1)
-#else
-  (void)num_threads;
-#endif
-  {
-    Scratch scratch;
-#if defined(_OPENMP)
-#pragma omp for schedule(static)
-#endif
-    for (int64_t t = 0; t < count; t++) {
-      const Task& task = tasks[t];
-      try {
-        attend_block(a, task.row0, task.length, task.head, task.i_begin, task.i_end, scratch);
-      } catch (const std::bad_alloc&) {
-#if defined(_OPENMP)
-#pragma omp atomic write
-#endif
-        out_of_memory = true;
-      }
-    }
-  }
-  if (out_of_memory) throw std::bad_alloc();
+  const int threads = attention_threads(num_threads);
+  for_each_attention_task<Scratch>(attention_tasks(a.seqlens, a.batch, a.heads, threads), threads,
+                                   [&](const AttentionTask& t, Scratch& scratch) {
+                                     attend_block(a, t.row0, t.length, t.head, t.i_begin, t.i_end, scratch);
+                                   });
 }
 
 }  // namespace
