@@ -39,6 +39,7 @@ namespace {
 
 constexpr int QK_ROWS = 8;  // query rows per q k^T tile: 8 x 2 int32 accumulators
 constexpr int PV_ROWS = 4;  // query rows per p v tile: 4 x 4 accumulators of 16 dims
+constexpr int MAX_VECS = 4;  // vectors a row of a tile holds at most
 constexpr int64_t AHEAD = 8;  // rows of q, k and v prefetched ahead of the pass over them
 
 struct Scratch {
@@ -129,52 +130,43 @@ VNNI inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ), _mm512_scalef_ps(p, n));
 }
 
+// out[r][c] = sum over g < groups of the 4-byte dot products of row r of a (u8, a_stride bytes apart, bytes 4g..4g+3)
+// with the 16 lanes of b + g * b_stride + 64 c (s8, 4 bytes a lane): ROWS x VECS int32 vectors. q k^T and p v are both
+// this, over head dims and keys. (The sums stay in local registers: stores through `out` could alias the u8 loads.)
+template <int ROWS, int VECS>
+VNNI inline void dot_tile(const uint8_t* a, int64_t a_stride, const int8_t* b, int64_t b_stride, int64_t groups,
+                          __m512i (*out)[MAX_VECS]) {
+  static_assert(VECS <= MAX_VECS, "out has MAX_VECS vectors a row");
+  __m512i acc[ROWS][VECS];
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < VECS; c++) acc[r][c] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512i column[VECS];
+    for (int c = 0; c < VECS; c++) column[c] = _mm512_loadu_si512(b + g * b_stride + 64 * c);
+    for (int r = 0; r < ROWS; r++) {
+      int32_t four;
+      std::memcpy(&four, a + r * a_stride + 4 * g, 4);
+      const __m512i row = _mm512_set1_epi32(four);
+      for (int c = 0; c < VECS; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], row, column[c]);
+    }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < VECS; c++) out[r][c] = acc[r][c];
+}
+
 // scores[r][j0 .. j0 + 16 VECS) = float(qu_r . kp[:, j] - comp[j]) * factor[r] for the QK_ROWS rows of qu.
 template <int VECS>
 VNNI inline void score_tile(const uint8_t* qu, const int8_t* kp, const int32_t* comp, const float* factor, int64_t D4,
                             int64_t Lp, int64_t j0, float* scores) {
-  __m512i acc[QK_ROWS][VECS];
-  for (int r = 0; r < QK_ROWS; r++)
-    for (int c = 0; c < VECS; c++) acc[r][c] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < D4 / 4; g++) {
-    __m512i key[VECS];
-    for (int c = 0; c < VECS; c++) key[c] = _mm512_loadu_si512(kp + (g * Lp + j0 + 16 * c) * 4);
-    for (int r = 0; r < QK_ROWS; r++) {
-      int32_t four;
-      std::memcpy(&four, qu + r * D4 + 4 * g, 4);
-      const __m512i query = _mm512_set1_epi32(four);
-      for (int c = 0; c < VECS; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], query, key[c]);
-    }
-  }
+  __m512i dots[QK_ROWS][MAX_VECS];
+  dot_tile<QK_ROWS, VECS>(qu, D4, kp + j0 * 4, Lp * 4, D4 / 4, dots);
   for (int c = 0; c < VECS; c++) {
     const __m512i offset = _mm512_loadu_si512(comp + j0 + 16 * c);
     for (int r = 0; r < QK_ROWS; r++)
       _mm512_storeu_ps(scores + r * Lp + j0 + 16 * c,
-                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset)),
+                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r][c], offset)),
                                      _mm512_set1_ps(factor[r])));
   }
-}
-
-// out[r][c] = pu[r] . vp over the dims c0 + 16 c (c < VECS), for PV_ROWS rows of pu (row stride Lp), L4 / 4 groups
-// of keys. (The sums stay in local registers: stores through `out` could alias the u8 loads.)
-template <int VECS>
-VNNI inline void value_tile(const uint8_t* pu, const int8_t* vp, int64_t Lp, int64_t L4, int64_t Dv, int64_t c0,
-                            __m512i (*out)[4]) {
-  __m512i acc[PV_ROWS][VECS];
-  for (int r = 0; r < PV_ROWS; r++)
-    for (int c = 0; c < VECS; c++) acc[r][c] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < L4 / 4; g++) {
-    __m512i value[VECS];
-    for (int c = 0; c < VECS; c++) value[c] = _mm512_loadu_si512(vp + (g * Dv + c0 + 16 * c) * 4);
-    for (int r = 0; r < PV_ROWS; r++) {
-      int32_t four;
-      std::memcpy(&four, pu + r * Lp + 4 * g, 4);
-      const __m512i weight = _mm512_set1_epi32(four);
-      for (int c = 0; c < VECS; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], weight, value[c]);
-    }
-  }
-  for (int r = 0; r < PV_ROWS; r++)
-    for (int c = 0; c < VECS; c++) out[r][c] = acc[r][c];
 }
 
 VNNI void fill_nan(const AttentionInt8CpuArgs& a, int64_t row, int64_t head) {
@@ -276,21 +268,22 @@ VNNI void attend_block(const AttentionInt8CpuArgs& a, int64_t row0, int64_t L, i
       inverse_sum[r] = sv / static_cast<float>(_mm512_reduce_add_epi32(sum));
     }
     for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
-      __m512i acc[PV_ROWS][4];
+      __m512i sums[PV_ROWS][MAX_VECS];
       for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
         const int vecs = static_cast<int>(std::min<int64_t>(4, (Dv - c0) / 16));
         const uint8_t* pu = s.pu.data() + r0 * Lp;  // (rows past `rows` are computed, not stored)
-        switch (vecs) {
-          case 4: value_tile<4>(pu, s.vp.data(), Lp, L4, Dv, c0, acc); break;
-          case 3: value_tile<3>(pu, s.vp.data(), Lp, L4, Dv, c0, acc); break;
-          case 2: value_tile<2>(pu, s.vp.data(), Lp, L4, Dv, c0, acc); break;
-          default: value_tile<1>(pu, s.vp.data(), Lp, L4, Dv, c0, acc); break;
+        const int8_t* vp = s.vp.data() + c0 * 4;
+        switch (vecs) {  // (sums = pu vp over the 64 dims from c0)
+          case 4: dot_tile<PV_ROWS, 4>(pu, Lp, vp, Dv * 4, L4 / 4, sums); break;
+          case 3: dot_tile<PV_ROWS, 3>(pu, Lp, vp, Dv * 4, L4 / 4, sums); break;
+          case 2: dot_tile<PV_ROWS, 2>(pu, Lp, vp, Dv * 4, L4 / 4, sums); break;
+          default: dot_tile<PV_ROWS, 1>(pu, Lp, vp, Dv * 4, L4 / 4, sums); break;
         }
         for (int r = 0; r < PV_ROWS && r0 + r < rows; r++) {
           float* o = a.out + ((row0 + i0 + r0 + r) * H + h) * D;
           for (int c = 0; c < vecs; c++) {
             const int64_t d = c0 + 16 * c;
-            const __m512 result = finite[r0 + r] ? _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]),
+            const __m512 result = finite[r0 + r] ? _mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][c]),
                                                                  _mm512_set1_ps(inverse_sum[r0 + r]))
                                                  : _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
             _mm512_mask_storeu_ps(o + d, first(D - d), result);
