@@ -70,8 +70,11 @@ VNNI inline float reduce_absmax(__m512 m, __m512 poison) {
                                                            : _mm512_reduce_max_ps(m);
 }
 
-// The symmetric 8-bit scale of a range: amax / 127, or 1 for an all-zero one.
-inline float scale_of(float absmax) { return absmax > 0.f ? absmax / 127.f : 1.f; }
+// The symmetric 8-bit scale of a range: amax / 127, at least float32's smallest normal (its inverse stays finite), or
+// 1 for an all-zero range.
+inline float scale_of(float absmax) {
+  return absmax > 0.f ? std::max(absmax / 127.f, std::numeric_limits<float>::min()) : 1.f;
+}
 
 // round(x * inverse) of x's `count` floats (zero past them) in int32 lanes, d .. d + 16. Round half to even (the
 // default rounding mode), as torch.round.

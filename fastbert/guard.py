@@ -26,13 +26,14 @@ many as keep it passing; the others keep their per-call scales.
 
 Then, where the int8 attention runs (``ops/attention_int8.py``: AVX-512 VNNI) and ``quantize`` was not told
 ``attention=False``, the attention of every such layer with a quantizable one (no window or position terms) runs q k^T
-and p v in int8 too, if the guard still passes with it; else none does.
+and p v in int8 too, on sequences no longer than the longest the guard ran, if the guard still passes with it; else
+none does. Besides its sentences (up to 128 tokens) the guard runs them back to back in up to two inputs of up to 512
+tokens (or the model's limit): long inputs are judged too.
 """
 
 import collections
 import contextlib
 import inspect
-import os
 import sys
 import typing
 
@@ -41,6 +42,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import announce, int8, modeling, threads
+from .guard_inputs import batches_of, longest_input, tokenizer_of, usable_texts
 from .ops import attention_int8
 
 # What the int8 model must keep of the float32 one on the guard's sentences.
@@ -48,10 +50,6 @@ MIN_MEAN_COSINE = 0.99
 MIN_P1_COSINE = 0.98
 MIN_HEAD_AGREEMENT = 0.99
 SMOOTH_ALPHA = 0.5
-_GUARD_TEXTS = os.path.join(os.path.dirname(__file__), "data", "int8_guard.txt")
-# A sentence with more unknown tokens than this share checks nothing for the model's vocabulary.
-MAX_UNKNOWN = 0.5
-_BATCH = 16
 
 
 class _Layer(typing.NamedTuple):
@@ -105,7 +103,7 @@ def choose(layers: list[_Layer], bits: int | None, recipe: _Recipe = RECIPES[0],
     chooses it after)."""
     for layer in layers:
         for module in layer.attention:
-            int8.choose_attention(module, False)
+            int8.choose_attention(module, None)
         for linear in layer.linears:
             choice = None
             if bits is not None and layer.name not in float32:
@@ -127,21 +125,23 @@ def run(model, encoders, layers: list[_Layer], bits: int, texts: list[str] | Non
         show_progress_bar: bool | None, attention: bool = True) -> dict:
     """Choose int8 for ``layers`` as the guard allows (module docstring), in a thread of its own (a process forked
     afterwards keeps its OpenMP threads); returns what was chosen, with the guard's figures."""
-    tokenizer = _tokenizer(model, tokenizer, encoders)
-    texts, left_out = _usable_texts(tokenizer, texts)
-    batches = _batches(tokenizer, texts, encoders)
+    tokenizer = tokenizer_of(model, tokenizer, encoders)
+    texts, left_out = usable_texts(tokenizer, texts)
+    batches = batches_of(tokenizer, texts, encoders)
     if show_progress_bar is None:
         show_progress_bar = sys.stderr.isatty()
     with _evaluating(model), _Progress(show_progress_bar, len(batches)) as progress:
-        outcome = threads.in_own_thread(_ladder, model, encoders, layers, batches, bits, progress, attention)
-    return {**outcome, "sentences": len(texts), **({"left_out_unknown": left_out} if left_out else {})}
+        outcome = threads.in_own_thread(_ladder, model, encoders, layers, batches, bits, progress,
+                                        longest_input(batches) if attention else None)
+    return {**outcome, "sentences": len(texts), "longest_input": longest_input(batches),
+            **({"left_out_unknown": left_out} if left_out else {})}
 
 
 @torch.inference_mode()
-def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress, attention: bool) -> dict:
+def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress, attention: int | None) -> dict:
     """The first of ``RECIPES`` the guard passes with, else the last one with the costliest layers in float32 until
-    it passes (then with int8 attention, where ``attention`` and it still passes); the guard's figures and what was
-    chosen."""
+    it passes (then with int8 attention up to ``attention`` tokens, the longest input of ``batches``, where it still
+    passes; None: never); the guard's figures and what was chosen."""
     def outputs(calibration: dict | None = None):
         return _outputs(model, encoders, batches, progress, calibration)
 
@@ -158,8 +158,8 @@ def _ladder(model, encoders, layers: list[_Layer], batches, bits, progress, atte
         if _passes(figures):
             static, figures = _static_where_it_passes(layers, bits, recipe, smooth, ranges, figures,
                                                       lambda: _compare(reference, outputs()), progress)
-            quantized, figures = _int8_attention(layers, figures, lambda: _compare(reference, outputs()), progress) \
-                if attention else ([], figures)
+            quantized, figures = _int8_attention(layers, attention, figures, lambda: _compare(reference, outputs()),
+                                                 progress) if attention else ([], figures)
             return {"outcome": "int8", "recipe": recipe.name, "float32_layers": [], "static_layers": static,
                     "attention_layers": quantized, **figures}
     float32, costs = [], {}
@@ -218,23 +218,27 @@ def _static_where_it_passes(layers: list[_Layer], bits: int, recipe: _Recipe, sm
     return order[:best], best_figures
 
 
-def _int8_attention(layers: list[_Layer], figures: dict, judge, progress) -> tuple[list[str], dict]:
-    """The attention of every layer that has a quantizable one in int8, where the kernel runs here, if the guard
-    still passes (module docstring): (the names of those layers, the guard's figures with it); else none, and
-    ``figures``."""
+def _int8_attention(layers: list[_Layer], longest: int, figures: dict, judge, progress) -> tuple[list[str], dict]:
+    """The attention of every layer that has a quantizable one in int8 on sequences of up to ``longest`` tokens (the
+    longest the guard runs), where the kernel runs here, if the guard still passes (module docstring) having run it:
+    (the names of those layers, the guard's figures with it); else none, and ``figures``."""
     candidates = [layer for layer in layers if layer.attention]
     if not candidates or attention_int8.unavailable_reasons():
         return [], figures
     progress.more(1)
     for layer in candidates:
         for module in layer.attention:
-            int8.choose_attention(module, True)
+            int8.choose_attention(module, longest)
+    launched, declined = attention_int8.launches()
     quantized = judge()
-    if _passes(quantized):
+    # (only if every attention of the judged forwards ran the kernel: a dense batch with padding under unpad=False
+    # runs torch's float32 SDPA, FASTBERT_BACKEND=torch never the kernel)
+    ran, fell_back = (after - before for after, before in zip(attention_int8.launches(), (launched, declined)))
+    if ran and not fell_back and _passes(quantized):
         return [layer.name for layer in candidates], quantized
     for layer in candidates:
         for module in layer.attention:
-            int8.choose_attention(module, False)
+            int8.choose_attention(module, None)
     return [], figures
 
 
@@ -312,63 +316,6 @@ def _compare(reference: dict, quantized: dict) -> dict:
 def _passes(figures: dict) -> bool:
     return (figures["mean_cosine"] >= MIN_MEAN_COSINE and figures["p1_cosine"] >= MIN_P1_COSINE
             and figures.get("head_agreement", 1.0) >= MIN_HEAD_AGREEMENT)
-
-
-# --- inputs ----------------------------------------------------------------------------------------------------------
-
-
-def _usable_texts(tokenizer, texts: list[str] | None) -> tuple[list[str], int]:
-    """(the texts the guard runs, how many of the shipped ones were left out as mostly unknown tokens). The user's
-    texts are checked as they are: mostly unknown tokens is an error, since the guard would compare nothing but the
-    unknown token's embedding."""
-    shipped = texts is None
-    if shipped:
-        with open(_GUARD_TEXTS, encoding="utf-8") as f:
-            texts = [line.strip() for line in f if line.strip()]
-    elif isinstance(texts, str) or not all(isinstance(t, str) and t.strip() for t in texts) or not list(texts):
-        raise ValueError("texts must be a non-empty list of non-empty strings")
-    texts = list(texts)
-    unknown_id = getattr(tokenizer, "unk_token_id", None)
-    if unknown_id is None:  # (byte-level vocabularies have no unknown token)
-        return texts, 0
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    shares = [sum(i == unknown_id for i in row) / max(1, len(row)) for row in ids]
-    kept = [t for t, share in zip(texts, shares) if share <= MAX_UNKNOWN] if shipped else texts
-    unknown = sum(share * len(row) for share, row in zip(shares, ids)) / max(1, sum(len(row) for row in ids))
-    if not kept or (not shipped and unknown > MAX_UNKNOWN):
-        raise ValueError(f"texts: {unknown:.0%} of their tokens are unknown to the model's tokenizer "
-                         f"({tokenizer.unk_token}): the guard would compare nothing but that token's embedding; pass "
-                         "texts= in the model's language(s), or guard=False to skip the check")
-    return kept, len(texts) - len(kept)
-
-
-def _tokenizer(model, tokenizer, encoders):
-    if tokenizer is not None:
-        return tokenizer
-    own = getattr(model, "tokenizer", None)  # SentenceTransformer, CrossEncoder
-    if own is not None and callable(own):
-        return own
-    path = encoders[0].config._name_or_path
-    if path:
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError):
-            pass
-    raise ValueError("fastbert.quantize checks int8 against float32 on real sentences and needs the model's "
-                     "tokenizer: pass tokenizer=..., or guard=False to skip the check")
-
-
-def _batches(tokenizer, texts: list[str], encoders) -> list[dict]:
-    """Batches of at most ``_BATCH`` texts, and two at least where there are two texts (static scales are calibrated
-    on every other batch and judged on all)."""
-    limit = min([128] + [e.config.max_position_embeddings for e in encoders
-                         if getattr(e.config, "max_position_embeddings", None)])
-    size = max(1, min(_BATCH, (len(texts) + 1) // 2))
-    return [dict(tokenizer(texts[i:i + size], padding=True, truncation=True, max_length=limit,
-                           return_tensors="pt"))
-            for i in range(0, len(texts), size)]
 
 
 class _Progress:

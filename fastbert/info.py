@@ -69,7 +69,8 @@ def info() -> dict:
         # CPU int8 (fastbert.quantize): whether it runs here and on which ISA path, the measured GFLOP/s, why the int8
         # attention cannot run here (empty: it can), and what each quantize() call decided, with its guard's
         # figures, the layers it kept in float32 and those whose attention runs in int8.
-        "int8": {**int8.report(), "attention_unavailable": attention_int8.unavailable_reasons(),
+        "int8": {**int8.report(),
+                 "attention_unavailable": int8.unavailable_reasons() + attention_int8.unavailable_reasons(),
                  "models": int8_decisions.reports()},
         "backends": backends,
         "reasons": reasons,

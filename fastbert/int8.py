@@ -24,7 +24,8 @@ from torch import nn
 from . import cpu, derived, dispatch, int8_linear, plan
 
 ATTRIBUTE = "_fastbert_int8"  # on a chosen nn.Linear: its Choice
-ATTENTION = "_fastbert_int8_attention"  # on a module whose attention runs in int8 (ops/attention_int8.py): True
+ATTENTION = "_fastbert_int8_attention"  # on a module whose attention runs in int8 (ops/attention_int8.py): up to
+# how many tokens
 CONFIG_KEY = "fastbert_int8"  # in an encoder's config: its Choices, saved and loaded with the checkpoint
 CONFIG_VERSION = 1
 
@@ -66,19 +67,23 @@ def chosen(linear: nn.Module) -> Choice | None:
     return linear.__dict__.get(ATTRIBUTE)
 
 
-def choose_attention(module: nn.Module, on: bool) -> None:
-    """Run the attention of ``module`` (a fused module whose class has ``quantizable_attention``) in int8, or in
-    float32 again; the next forward of every model decides its ops again."""
-    if attention_chosen(module) != on:
-        if on:
-            module.__dict__[ATTENTION] = True
-        else:
+def choose_attention(module: nn.Module, longest: int | None) -> None:
+    """Run the attention of ``module`` (a fused module whose class has ``quantizable_attention``) in int8 for batches
+    whose sequences have at most ``longest`` tokens (the longest the guard judged it on), or always in float32
+    (None); the next forward of every model decides its ops again."""
+    if longest is not None and (isinstance(longest, bool) or not isinstance(longest, int) or longest < 1):
+        raise ValueError(f"longest must be None or a token count >= 1, got {longest!r}")
+    if attention_chosen(module) != longest:
+        if longest is None:
             module.__dict__.pop(ATTENTION, None)
+        else:
+            module.__dict__[ATTENTION] = longest
         plan.converted()
 
 
-def attention_chosen(module: nn.Module) -> bool:
-    return module.__dict__.get(ATTENTION, False)
+def attention_chosen(module: nn.Module) -> int | None:
+    """The longest sequence whose attention ``module`` runs in int8, or None (float32)."""
+    return module.__dict__.get(ATTENTION)
 
 
 # --- choices that travel with the checkpoint ------------------------------------------------------------------------
@@ -87,7 +92,7 @@ def attention_chosen(module: nn.Module) -> bool:
 # reads back as an attribute it ignores. The fp32 weights stay the checkpoint's; the config holds, per Linear (by
 # its name under the encoder), the per-token flag and the SmoothQuant divisor (float32, base64), the weight bits, a
 # digest of the weights the guard judged, so a decision is never applied to other weights, and the modules whose
-# attention runs in int8.
+# attention runs in int8, with the longest sequence it was judged on.
 
 
 def weights_digest(linears: dict[str, nn.Linear]) -> str:
@@ -100,10 +105,10 @@ def weights_digest(linears: dict[str, nn.Linear]) -> str:
 
 def to_config(encoder: nn.Module, bits: int, meta: dict) -> None:
     """Write the choices of ``encoder``'s Linears, with ``meta`` (recipe, guard figures), into its config."""
-    linears, entries, attention = {}, {}, []
+    linears, entries, attention = {}, {}, {}
     for name, module in encoder.named_modules():
-        if attention_chosen(module):
-            attention.append(name)
+        if attention_chosen(module) is not None:
+            attention[name] = attention_chosen(module)
         choice = chosen(module)
         if choice is None:
             continue
@@ -122,9 +127,10 @@ def to_config(encoder: nn.Module, bits: int, meta: dict) -> None:
                                          "attention": attention})
 
 
-def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Module, Choice | bool] | None, str]:
-    """(the Linears and Choices ``encoder``'s config holds, and the modules whose attention runs in int8 (True), or
-    None; why not, when there is a saved decision that does not fit this model or CPU)."""
+def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Module, Choice | int] | None, str]:
+    """(the Linears and Choices ``encoder``'s config holds, and the modules whose attention runs in int8 with the
+    longest sequence it was judged on, or None; why not, when there is a saved decision that does not fit this model
+    or CPU)."""
     saved = getattr(encoder.config, CONFIG_KEY, None)
     if saved is None:
         return None, ""
@@ -152,11 +158,13 @@ def from_config(encoder: nn.Module, bits: int) -> tuple[dict[nn.Module, Choice |
             choices[linear], named[name] = Choice(bits, smooth, bool(entry["per_token"]), static), linear
         if weights_digest(named) != saved["weights"]:
             return None, "the weights differ from those it was judged on (run fastbert.quantize(model) again)"
-        for name in saved.get("attention", []):  # (saved before int8 attention: none)
+        for name, longest in saved.get("attention", {}).items():  # (saved before int8 attention: none)
             module = modules.get(name)
             if not getattr(module, "quantizable_attention", False):
                 return None, f"the model has no module {name!r} whose attention can run in int8"
-            choices[module] = True
+            if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1:
+                return None, f"the longest sequence judged for {name!r} is not a token count: {longest!r}"
+            choices[module] = longest
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         return None, f"it cannot be read ({type(error).__name__}: {error})"
     return choices, ""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import announce, int8
+from .ops import attention_int8
 
 logger = logging.getLogger("fastbert")
 
@@ -50,16 +51,23 @@ def apply_saved(model: nn.Module, encoders: list[nn.Module]) -> bool:
         announce.fallback(f"the int8 decision saved with {type(model).__name__}'s checkpoint is not applied: int8 "
                           f"GEMMs do not run here ({'; '.join(reasons)})")
         return False
+    attention = not attention_int8.unavailable_reasons()
+    saved_attention = any(isinstance(choice, int) for _, choices in found for choice in choices.values())
+    if saved_attention and not attention:
+        announce.note(f"the int8 attention saved with {type(model).__name__}'s checkpoint does not run here "
+                      f"({'; '.join(attention_int8.unavailable_reasons())}): its attention runs in float32")
     for encoder, choices in found:
         for module in encoder.modules():
             if type(module) is nn.Linear:
                 int8.choose(module, choices.get(module))
-            int8.choose_attention(module, choices.get(module) is True)
+            longest = choices.get(module)
+            int8.choose_attention(module, longest if attention and isinstance(longest, int) else None)
     saved = getattr(encoders[0].config, int8.CONFIG_KEY)
     record(model, {"outcome": "int8", "guard": saved.get("guard", False), "recipe": saved.get("recipe"),
                    "float32_layers": saved.get("float32_layers", []),
                    "static_layers": saved.get("static_layers", []),
-                   "attention_layers": saved.get("attention_layers", []), **saved.get("figures", {}),
+                   "attention_layers": saved.get("attention_layers", []) if attention else [],
+                   **saved.get("figures", {}),
                    "from": "the decision saved with the checkpoint"})
     return True
 
@@ -95,7 +103,9 @@ def describe(report: dict) -> str:
     if report.get("from"):
         text += f", {report['from']}"
     if "mean_cosine" in report:
-        text += (f"; guard on {report.get('sentences', 'its')} sentences: mean cosine {report['mean_cosine']:.4f}, "
+        longest = f" (inputs of up to {report['longest_input']} tokens)" if "longest_input" in report else ""
+        text += (f"; guard on {report.get('sentences', 'its')} sentences{longest}: mean cosine "
+                 f"{report['mean_cosine']:.4f}, "
                  f"1st percentile {report['p1_cosine']:.4f}")
         if "head_agreement" in report:
             text += f", head agreement {report['head_agreement']:.1%}"

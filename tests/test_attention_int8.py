@@ -15,7 +15,7 @@ import transformers
 from test_families import FAMILIES, FAMILY_IDS, inputs
 
 import fastbert
-from fastbert import int8, padding
+from fastbert import guard_inputs, int8, padding
 from fastbert.ops import attention, attention_int8
 
 pytestmark = pytest.mark.skipif(bool(attention_int8.unavailable_reasons()),
@@ -93,10 +93,20 @@ def test_non_finite_values_give_nan_rows():
     assert_matches_reference(out, qkv, [9, 11])
 
 
-def test_zero_inputs_and_empty_batches():
+def test_zero_tiny_and_empty_inputs():
+    """All-zero heads give zeros; values so small that amax / 127 is below float32's normals keep a finite scale;
+    empty sequences and batches are fine (kernel and reference alike)."""
     qkv = torch.zeros(6, 3, 2, 8)
     assert attention_int8.attention_int8_cpu(qkv, [4, 2]).equal(torch.zeros(6, 2, 8))
     assert attention_int8.attention_int8_cpu(torch.zeros(0, 3, 2, 8), []).shape == (0, 2, 8)
+    tiny = qkv_of(9, 2, 8) * 1e-38
+    out = attention_int8.attention_int8_cpu(tiny, [9])
+    assert out.isfinite().all()
+    assert_matches_reference(out, tiny, [9])
+    # (the scale clamped to float32's smallest normal: within one such step of exact attention)
+    assert (out.double() - exact(tiny, [9])).abs().max() <= torch.finfo(torch.float32).tiny
+    qkv = qkv_of(8, 2, 8)
+    assert_matches_reference(attention_int8.attention_int8_cpu(qkv, [0, 5, 0, 3]), qkv, [0, 5, 0, 3])
 
 
 def test_registered_op():
@@ -115,7 +125,7 @@ def test_bad_arguments_raise_before_the_kernel():
     with pytest.raises(ValueError, match="head_dim"):
         attention_int8.attention_int8_cpu(torch.zeros(1, 3, 1, 1025), [1])
     with pytest.raises(ValueError, match="window, relative bias"):
-        attention.attention(qkv.reshape(5, -1), padding.dense_layout(1, 5, None), 2, window=1, quantized=True)
+        attention.attention(qkv.reshape(5, -1), padding.dense_layout(1, 5, None), 2, window=1, int8_attention=8)
 
 
 # --- in a quantized model (the real all-MiniLM-L6-v2: 6 layers, 12 heads of 32) ------------------------------------
@@ -141,7 +151,10 @@ def test_the_guard_chooses_it_and_the_forward_runs_it(int8_on, minilm, monkeypat
     assert report["attention_layers"] == LAYERS and report["mean_cosine"] >= 0.99
     assert fastbert.info()["int8"]["attention_unavailable"] == []
     assert "int8 attention in 6 layers" in fastbert.int8_decisions.describe(report)
-    assert len(self_attentions(model)) == 6 and all(int8.attention_chosen(m) for m in self_attentions(model))
+    # (up to the longest input the guard ran: its sentences back to back, up to 512 tokens)
+    assert len(self_attentions(model)) == 6 and {int8.attention_chosen(m) for m in self_attentions(model)} == {
+        guard_inputs.longest_input(guard_inputs.batches_of(model.tokenizer, guard_inputs.usable_texts(
+            model.tokenizer, None)[0], [model[0].auto_model]))} and int8.attention_chosen(self_attentions(model)[0]) > 128
     calls, kernel = [], attention_int8.attention_int8_cpu
     monkeypatch.setattr(attention_int8, "attention_int8_cpu",
                         lambda qkv, seqlens: calls.append(tuple(seqlens)) or kernel(qkv, seqlens))
@@ -176,6 +189,43 @@ def test_a_saved_decision_brings_it_back(int8_on, minilm, tmp_path):
     assert not any(int8.attention_chosen(m) for m in self_attentions(reloaded))
 
 
+def test_longer_than_judged_runs_float32_said_once(int8_on, minilm, monkeypatch):
+    """A batch with a sequence longer than the guard judged runs the float32 attention, with a note."""
+    st = pytest.importorskip("sentence_transformers")
+    model = fastbert.quantize(st.SentenceTransformer(minilm, device="cpu"))
+    for module in self_attentions(model):
+        int8.choose_attention(module, 8)
+    calls, kernel = [], attention_int8.attention_int8_cpu
+    monkeypatch.setattr(attention_int8, "attention_int8_cpu",
+                        lambda qkv, seqlens: calls.append(tuple(seqlens)) or kernel(qkv, seqlens))
+    with pytest.warns(UserWarning, match="the int8 attention runs sequences of up to 8 tokens"):
+        model.encode(["a sentence of well over eight tokens, as most sentences are"])
+    assert calls == []
+    model.encode(["short"])
+    assert calls == [(3,)] * 6
+
+
+def test_not_chosen_where_the_guard_could_not_run_it(int8_on, minilm):
+    """unpad=False keeps padded rows, where the attention runs torch's float32 SDPA: the guard never ran the int8
+    kernel, so it does not choose it."""
+    st = pytest.importorskip("sentence_transformers")
+    model = fastbert.optimize(st.SentenceTransformer(minilm, device="cpu"))
+    model[0].auto_model.unpad = False
+    fastbert.quantize(model)
+    assert fastbert.info()["int8"]["models"][-1]["attention_layers"] == []
+    assert not any(int8.attention_chosen(m) for m in self_attentions(model))
+
+
+def test_a_saved_choice_is_not_applied_where_the_kernel_cannot_run(int8_on, minilm, tmp_path, monkeypatch):
+    st = pytest.importorskip("sentence_transformers")
+    fastbert.quantize(st.SentenceTransformer(minilm, device="cpu")).save(str(tmp_path / "saved"))
+    monkeypatch.setattr(attention_int8, "unavailable_reasons", lambda: ["no AVX-512 VNNI here"])
+    with pytest.warns(UserWarning, match="int8 attention saved with .* does not run here"):
+        reloaded = fastbert.optimize(st.SentenceTransformer(str(tmp_path / "saved"), device="cpu"))
+    assert not any(int8.attention_chosen(m) for m in self_attentions(reloaded))
+    assert fastbert.info()["int8"]["models"][-1]["attention_layers"] == []
+
+
 @pytest.mark.filterwarnings("ignore:fastbert")
 def test_float32_where_it_cannot_run(int8_on, minilm, fastbert_env):
     """FASTBERT_CPU_INT8=off runs the chosen attention in float32 again, as the GEMMs, and says so."""
@@ -188,6 +238,7 @@ def test_float32_where_it_cannot_run(int8_on, minilm, fastbert_env):
     assert not torch.equal(quantized, plain)
     _, reasons = fastbert.dispatch.report(torch.device("cpu"), torch.float32)
     assert any("the int8 attention runs in float32: FASTBERT_CPU_INT8=off" in why for why in reasons["attention"])
+    assert "FASTBERT_CPU_INT8=off" in fastbert.info()["int8"]["attention_unavailable"]
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)
@@ -202,7 +253,7 @@ def test_every_family(int8_on, family, monkeypatch):
     modules = self_attentions(q)
     assert len(modules) in (0, config.num_hidden_layers)
     for module in modules:
-        int8.choose_attention(module, True)
+        int8.choose_attention(module, 64)
     calls, kernel = [], attention_int8.attention_int8_cpu
     monkeypatch.setattr(attention_int8, "attention_int8_cpu",
                         lambda qkv, seqlens: calls.append(tuple(seqlens)) or kernel(qkv, seqlens))

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import fastbert
+import fastbert.guard_inputs
 from fastbert import int8
 
 
@@ -126,10 +127,10 @@ def test_the_shipped_sentences_leave_out_those_unknown_to_the_vocabulary(int8_on
     guard runs on the others."""
     model = transformers.AutoModel.from_pretrained(minilm)
     tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
-    with open(fastbert.guard._GUARD_TEXTS, encoding="utf-8") as f:
+    with open(fastbert.guard_inputs._GUARD_TEXTS, encoding="utf-8") as f:
         shipped = [t.strip() for t in f if t.strip()]
     cyrillic = [t for t in shipped if any("\u0400" <= c <= "\u04ff" for c in t)]
-    _, already = fastbert.guard._usable_texts(tokenizer, None)  # (MiniLM's vocabulary lacks some Chinese characters)
+    _, already = fastbert.guard_inputs.usable_texts(tokenizer, None)  # (MiniLM's vocabulary lacks some Chinese characters)
     original = tokenizer.__class__.__call__
 
     def cyrillic_unknown(self, texts, **kwargs):

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import fastbert
-from fastbert import guard, int8, int8_linear
+from fastbert import guard, guard_inputs, int8, int8_linear
 
 @pytest.mark.parametrize("tokens, d_in", [(0, 5), (1, 3), (7, 64), (300, 96), (33, 3072)])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
@@ -114,5 +114,5 @@ def test_static_scales_are_judged_on_sentences_they_were_not_calibrated_on(minil
     tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
     encoders = [transformers.AutoModel.from_pretrained(minilm)]
     for count, sizes in ((1, [1]), (2, [1, 1]), (5, [3, 2]), (40, [16, 16, 8])):
-        batches = guard._batches(tokenizer, [f"sentence {i}" for i in range(count)], encoders)
+        batches = guard_inputs.batches_of(tokenizer, [f"sentence {i}" for i in range(count)], encoders)
         assert [len(b["input_ids"]) for b in batches] == sizes

@@ -6,7 +6,8 @@ Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_
 ``attention_varlen_ref``. Backends, fastest first:
 
   cpu-int8 ``attention_int8.py``: q k^T and p v in int8 (AVX-512 VNNI), for the layers ``fastbert.quantize``'s guard
-           judged with it (``quantized``); opt-in, and only without a window or position terms
+           judged with it, on sequences no longer than it judged (``int8_attention``); opt-in, and only without a
+           window or position terms
   cpu-ext  fastbert._C's C++ kernel (csrc/attention_cpu.h): float32 inference on the CPU over packed tokens or a batch
            without padding, where it measured faster than SDPA on this CPU (``cpu.attention_figures``)
   triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
@@ -28,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .. import _extension, cpu, dispatch, int8
+from .. import _extension, announce, cpu, dispatch, int8
 from ..dispatch import Backend, ByDesign, MeasuredChoice
 from ..kernels import attention as triton_attention
 from ..kernels import attention_varlen as triton_varlen
@@ -277,12 +278,14 @@ class Call:
     reasons: tuple[str, ...]  # why only torch's differentiable SDPA may run it (gradients, dropout, a trainable bias)
     device: torch.device
     dtype: torch.dtype
-    quantized: bool = False  # the layer's attention was chosen to run in int8 (``int8.choose_attention``)
+    quantized: bool = False  # int8 for this layer and these lengths (``int8.choose_attention``, ``attention``)
 
 
 def _int8_why_not(call: Call) -> list[str]:
     if not call.quantized:
-        return [ByDesign("not chosen by fastbert.quantize")]
+        return [ByDesign("not chosen by fastbert.quantize, or sequences longer than its guard judged")]
+    if call.head_dim > attention_int8.MAX_HEAD_DIM:
+        return [f"the int8 attention runs in float32: head_dim {call.head_dim} > {attention_int8.MAX_HEAD_DIM}"]
     return [f"the int8 attention runs in float32: {reason}" for reason in
             list(call.reasons) or int8.unavailable_reasons() or attention_int8.unavailable_reasons()]
 
@@ -292,7 +295,8 @@ def _int8_run(call, heads, layout, dropout_p, window, relative_bias, disentangle
         return attention_int8.attention_int8_cpu(heads, layout.seqlens)
     if _every_key_real(layout):
         return attention_int8.attention_int8_cpu(heads, (layout.seq_len,) * layout.batch)
-    # (unpad=False keeps padded rows: torch's float32 SDPA, as the float32 kernel does)
+    # (unpad=False keeps padded rows: torch's float32 SDPA, as the float32 kernel does; the guard sees it)
+    attention_int8.declined()
     return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled)
 
 
@@ -384,7 +388,7 @@ def _decide(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: fl
 
 def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0,
               window: int | None = None, relative_bias: torch.Tensor | None = None,
-              disentangled: Disentangled | None = None, quantized: bool = False) -> torch.Tensor:
+              disentangled: Disentangled | None = None, int8_attention: int | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + bias) v per head, over each sequence's real tokens.
 
     qkv: [rows, 3 * hidden] -> [rows, hidden] (rows: the layout's tokens, then its spare rows, which come out zero).
@@ -393,11 +397,16 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
     positions, shared by every layer).
     disentangled: None, or DeBERTa's position terms over the layout's tokens (``ops/disentangled.py``), with the
     scale they and the scores share.
-    quantized: q k^T and p v in int8 where they can run so (``attention_int8.py``; the layer's choice, made by
-    ``fastbert.quantize``'s guard): without a window or position terms only.
+    int8_attention: None, or the longest sequence whose q k^T and p v run in int8 (``attention_int8.py``; the
+    layer's choice, made by ``fastbert.quantize``'s guard on sequences up to that long): a batch with a longer one
+    runs in float32, said once. Without a window or position terms only.
     """
-    if quantized and (window is not None or relative_bias is not None or disentangled is not None):
-        raise ValueError("the int8 attention (quantized=True) takes no window, relative bias or position terms")
+    if int8_attention is not None and (window is not None or relative_bias is not None or disentangled is not None):
+        raise ValueError("the int8 attention (int8_attention) takes no window, relative bias or position terms")
+    quantized = int8_attention is not None and layout.max_seqlen <= int8_attention
+    if int8_attention is not None and not quantized:
+        announce.note(f"the int8 attention runs sequences of up to {int8_attention} tokens, the longest its guard "
+                      "judged; batches with longer ones run it in float32")
     tokens, hidden = layout.tokens, qkv.shape[1] // 3
     head_dim = hidden // num_heads
     # (the same decision for every layer with the same arguments; a trainable bias needs the differentiable path too)

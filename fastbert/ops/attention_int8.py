@@ -13,6 +13,7 @@ probability can sit one level away from the kernel's at a rounding tie). Kernel:
 """
 
 import functools
+import threading
 
 import torch
 
@@ -20,11 +21,14 @@ from .. import _extension
 from ..kernels._common import launch_or_op
 
 LEVELS = 255  # softmax's numerators: u8, the row's largest exactly this
+MAX_HEAD_DIM = 1024  # (int32 sums of 255 x 127 products per dim stay exact in float32 up to here)
+MAX_LENGTH = 65536  # (int32 sums of 255 x 127 products per key fit up to here)
 
 
 def _symmetric_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """amax / 127 (float32, as the kernel divides), 1 where the range is all zero."""
-    return torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    """amax / 127 (float32, as the kernel divides), at least float32's smallest normal (its inverse stays finite);
+    1 where the range is all zero."""
+    return torch.where(absmax > 0, (absmax / 127).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(absmax))
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -40,6 +44,8 @@ def attention_int8_ref(qkv: torch.Tensor, seqlens, scale: float | None = None) -
     scale = head_dim ** -0.5 if scale is None else scale
     outputs = []
     for chunk in qkv.float().split(list(seqlens)):  # [L, 3, H, D]
+        if chunk.shape[0] == 0:
+            continue
         q, k, v = chunk.unbind(1)  # [L, H, D]
         k_max, v_max = k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2))  # [H]
         q_max = q.abs().amax(dim=2)  # [L, H]
@@ -83,11 +89,25 @@ def _check_args(qkv: torch.Tensor, seqlens: list[int]) -> None:
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be a float32 CPU tensor [tokens, 3, heads, head_dim], got {tuple(qkv.shape)} "
                          f"{qkv.dtype} on {qkv.device}")
-    if qkv.shape[3] > 1024:
-        raise ValueError(f"head_dim must be <= 1024 for the int8 attention, got {qkv.shape[3]}")
-    if any(length < 0 or length > 65536 for length in seqlens) or sum(seqlens) != qkv.shape[0]:
-        raise ValueError(f"seqlens must be in [0, 65536] and add up to qkv's {qkv.shape[0]} tokens, got "
+    if qkv.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM} for the int8 attention, got {qkv.shape[3]}")
+    if any(length < 0 or length > MAX_LENGTH for length in seqlens) or sum(seqlens) != qkv.shape[0]:
+        raise ValueError(f"seqlens must be in [0, {MAX_LENGTH}] and add up to qkv's {qkv.shape[0]} tokens, got "
                          f"{list(seqlens)[:8]}{'...' if len(seqlens) > 8 else ''}")
+
+
+_calls = threading.local()  # .launched, .declined: in this thread (the guard checks that it judged the kernel)
+
+
+def launches() -> tuple[int, int]:
+    """(how many times the kernel ran in this thread so far, how many attention calls chosen for it ran float32:
+    a dense batch with padding)."""
+    return getattr(_calls, "launched", 0), getattr(_calls, "declined", 0)
+
+
+def declined() -> None:
+    """An attention call chosen for the kernel ran float32 (counted in ``launches``)."""
+    _calls.declined = launches()[1] + 1
 
 
 def _launch(qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
@@ -97,6 +117,7 @@ def _launch(qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
     if reasons:
         raise RuntimeError(reasons[0])
     out = qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
+    _calls.launched = launches()[0] + 1
     _extension._C.attention_int8_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), qkv.shape[2], qkv.shape[3],
                                      qkv.shape[3] ** -0.5, torch.get_num_threads())
     return out
