@@ -20,7 +20,8 @@
 namespace fastbert {
 
 struct AttentionTask {
-  int64_t row0, length, head, i_begin, i_end;  // the sequence's first row and length; the head; queries [i_begin, i_end)
+  int64_t row0, length;          // the sequence's first row and its length
+  int64_t head, i_begin, i_end;  // the head; its queries [i_begin, i_end)
 };
 
 inline int attention_threads(int num_threads) {

@@ -152,9 +152,10 @@ def test_the_guard_chooses_it_and_the_forward_runs_it(int8_on, minilm, monkeypat
     assert fastbert.info()["int8"]["attention_unavailable"] == []
     assert "int8 attention in 6 layers" in fastbert.int8_decisions.describe(report)
     # (up to the longest input the guard ran: its sentences back to back, up to 512 tokens)
-    assert len(self_attentions(model)) == 6 and {int8.attention_chosen(m) for m in self_attentions(model)} == {
-        guard_inputs.longest_input(guard_inputs.batches_of(model.tokenizer, guard_inputs.usable_texts(
-            model.tokenizer, None)[0], [model[0].auto_model]))} and int8.attention_chosen(self_attentions(model)[0]) > 128
+    texts, _ = guard_inputs.usable_texts(model.tokenizer, None)
+    longest = guard_inputs.longest_input(guard_inputs.batches_of(model.tokenizer, texts, [model[0].auto_model]))
+    assert 128 < longest <= 512 and report["longest_input"] == longest
+    assert [int8.attention_chosen(m) for m in self_attentions(model)] == [longest] * 6
     calls, kernel = [], attention_int8.attention_int8_cpu
     monkeypatch.setattr(attention_int8, "attention_int8_cpu",
                         lambda qkv, seqlens: calls.append(tuple(seqlens)) or kernel(qkv, seqlens))
