@@ -39,6 +39,20 @@ def cpu_unavailable_reasons() -> list[str]:
     return [_IMPORT_ERROR] if _C is None else []
 
 
+def cpu_kernel_reasons(symbol: str, what: str, runs_here, needs: str, threaded: bool = True) -> tuple[str, ...]:
+    """Why ``_C``'s CPU kernel ``what`` cannot run here (() when it can): no ``_C``, a ``_C`` built before it (no
+    ``symbol``), a CPU without what it ``needs`` (``runs_here(_C)`` false), or, ``threaded``, a ``_C`` without OpenMP."""
+    if _C is None:
+        return (_IMPORT_ERROR,)
+    if not hasattr(_C, symbol):
+        return (f"fastbert._C predates {what}; reinstall fastbert",)
+    if not runs_here(_C):
+        return (f"{what} needs {needs}",)
+    if threaded and not _BUILD_INFO["openmp"]:
+        return (f"fastbert._C was built without OpenMP, so {what} would run on one thread",)
+    return ()
+
+
 def cuda_unavailable_reasons(device) -> list[str]:
     """Why ``_C``'s CUDA kernels cannot run on ``device`` ([] when they can). Cheap after the first call per device."""
     if _C is None:

@@ -68,14 +68,15 @@ def batches_of(tokenizer, texts: list[str], encoders) -> list[dict]:
                               return_tensors="pt"))
                for i in range(0, len(texts), size)]
     longest = min([LONG_TOKENS] + positions)
-    joined = _joined(tokenizer, texts, longest) if longest > limit else []
+    joined = _joined(tokenizer, texts, longest, limit) if longest > limit else []
     if joined:
         batches.append(dict(tokenizer(joined, padding=True, truncation=True, max_length=longest, return_tensors="pt")))
     return batches
 
 
-def _joined(tokenizer, texts: list[str], tokens: int) -> list[str]:
-    """``texts`` back to back, cut into at most ``LONG_ITEMS`` strings of about ``tokens`` tokens each."""
+def _joined(tokenizer, texts: list[str], tokens: int, shorter: int) -> list[str]:
+    """``texts`` back to back, cut into at most ``LONG_ITEMS`` strings of about ``tokens`` tokens each (a last one
+    only if it is longer than ``shorter``, the sentence batches' own limit)."""
     joined, current, count = [], [], 0
     for text in texts:
         current.append(text)
@@ -85,7 +86,7 @@ def _joined(tokenizer, texts: list[str], tokens: int) -> list[str]:
             current, count = [], 0
             if len(joined) == LONG_ITEMS:
                 return joined
-    return joined + ([" ".join(current)] if current and count > 128 else [])
+    return joined + ([" ".join(current)] if current and count > shorter else [])
 
 
 def longest_input(batches: list[dict]) -> int:

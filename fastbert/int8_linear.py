@@ -106,14 +106,9 @@ def _scratch_like(x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def quantize_cpu_unavailable_reasons() -> tuple[str, ...]:
     """Why the one-pass int8 activation quantizer (csrc/quantize_cpu.h) cannot run here (() when it can)."""
-    _C = _extension._C
-    if _C is None:
-        return (_extension._IMPORT_ERROR,)
-    if not hasattr(_C, "quantize_cpu_available"):
-        return ("fastbert._C predates the int8 activation quantizer; reinstall fastbert",)
-    if not _C.quantize_cpu_available():
-        return ("fastbert's int8 activation quantizer needs an x86-64 CPU with AVX2 and FMA",)
-    return ()
+    return _extension.cpu_kernel_reasons("quantize_cpu_available", "fastbert's int8 activation quantizer",
+                                         lambda C: C.quantize_cpu_available(), "an x86-64 CPU with AVX2 and FMA",
+                                         threaded=False)
 
 
 def _quantize_inputs(x: torch.Tensor, smooth: torch.Tensor | None, isa: str = ""):

@@ -51,16 +51,8 @@ def attention_cpu_unavailable_reasons() -> list[str]:
 
 @functools.cache
 def _attention_cpu_reasons() -> tuple[str, ...]:
-    _C = _extension._C
-    if _C is None:
-        return (_extension._IMPORT_ERROR,)
-    if not hasattr(_C, "attention_cpu"):
-        return ("fastbert._C predates the CPU attention kernel; reinstall fastbert",)
-    if not _C.attention_cpu_isas():
-        return ("fastbert's CPU attention kernel needs an x86-64 CPU with AVX2 and FMA",)
-    if not _extension.build_info()["openmp"]:
-        return ("fastbert._C was built without OpenMP, so its CPU attention would run on one thread",)
-    return ()
+    return _extension.cpu_kernel_reasons("attention_cpu", "fastbert's CPU attention kernel",
+                                         lambda C: bool(C.attention_cpu_isas()), "an x86-64 CPU with AVX2 and FMA")
 
 
 def attention_cpu_isas() -> list[str]:

@@ -73,16 +73,9 @@ def unavailable_reasons() -> list[str]:
 
 @functools.cache
 def _reasons() -> tuple[str, ...]:
-    _C = _extension._C
-    if _C is None:
-        return (_extension._IMPORT_ERROR,)
-    if not hasattr(_C, "attention_int8_cpu"):
-        return ("fastbert._C predates the int8 CPU attention; reinstall fastbert",)
-    if not _C.attention_int8_cpu_available():
-        return ("the int8 attention needs an x86-64 CPU with AVX-512 VNNI (u8 x s8 dot products)",)
-    if not _extension.build_info()["openmp"]:
-        return ("fastbert._C was built without OpenMP, so the int8 attention would run on one thread",)
-    return ()
+    return _extension.cpu_kernel_reasons("attention_int8_cpu", "fastbert's int8 CPU attention",
+                                         lambda C: C.attention_int8_cpu_available(),
+                                         "an x86-64 CPU with AVX-512 VNNI (u8 x s8 dot products)")
 
 
 def _check_args(qkv: torch.Tensor, seqlens: list[int]) -> None:
