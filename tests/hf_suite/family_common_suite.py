@@ -48,6 +48,11 @@ _BERT_SHAPED = dict(
     intermediate_size=TinyTester.intermediate_size, max_position_embeddings=64, is_decoder=False,
     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
 )
+# Rotary families: weights drawn wider than the 0.02 default, so that positions move the outputs. At 0.02 on these
+# tiny widths the attention is nearly uniform, and a RoPE scaling changes the outputs by 1.5e-5 to 5e-5 against the
+# 1e-5 + 1e-5 |x| that test_model_rope_scaling_from_config asks of a difference: a rounding either side decides it.
+# At 0.1 the change is ~1e-2.
+_ROTARY_INIT = dict(initializer_range=0.1)
 _HEADS = ("Model", "ForMaskedLM", "ForMultipleChoice", "ForQuestionAnswering", "ForSequenceClassification",
           "ForTokenClassification")
 
@@ -122,7 +127,8 @@ class FastbertGteCommonTest(ModelTesterMixin, unittest.TestCase):
 
     def setUp(self):
         # rotary positions, GeGLU MLP, 2 token types (GTE may also have none: tests/test_families.py)
-        self.model_tester = TinyTester(self, transformers.GteConfig, 2, **_BERT_SHAPED, type_vocab_size=2)
+        self.model_tester = TinyTester(self, transformers.GteConfig, 2, **_BERT_SHAPED, **_ROTARY_INIT,
+                                       type_vocab_size=2)
 
 
 @require_torch
@@ -132,7 +138,8 @@ class FastbertNomicBertCommonTest(ModelTesterMixin, unittest.TestCase):
 
     def setUp(self):
         # GTE's block without biases, SwiGLU
-        self.model_tester = TinyTester(self, transformers.NomicBertConfig, 2, **_BERT_SHAPED, type_vocab_size=2)
+        self.model_tester = TinyTester(self, transformers.NomicBertConfig, 2, **_BERT_SHAPED, **_ROTARY_INIT,
+                                       type_vocab_size=2)
 
 
 @require_torch
@@ -147,6 +154,7 @@ class FastbertModernBertCommonTest(ModelTesterMixin, unittest.TestCase):
             num_attention_heads=TinyTester.num_attention_heads, intermediate_size=TinyTester.intermediate_size,
             max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
             bos_token_id=1, eos_token_id=1, cls_token_id=1, sep_token_id=1, attention_dropout=0.1, mlp_dropout=0.1,
+            **_ROTARY_INIT,
         )
 
 
