@@ -66,25 +66,32 @@ _epoch = 0  # moved when an optimizer step could not move the versions it should
 
 def state(params: tuple[torch.Tensor, ...]) -> tuple:
     """What ``params`` hold now, as far as it can be read cheaply: versions, storage addresses, dtypes, devices and,
-    on CPU, a fingerprint of their memory. Equal states: the derived tensor built from them is still right."""
-    try:
-        versions = tuple(p._version for p in params)
-    except RuntimeError:  # an inference tensor (moved under inference_mode) keeps no version counter
-        versions = tuple(-1 if p.is_inference() else p._version for p in params)
-    layout = tuple((p.data_ptr(), p.dtype, p.device) for p in params)
-    return versions, layout, fingerprint(params), _epoch
+    on CPU, a fingerprint of their memory. Equal states: the derived tensor built from them is still right. (One
+    pass over the parameters: this runs for every cached weight of every forward.)"""
+    versions, layout, snapshots = [], [], []
+    for p in params:
+        try:
+            versions.append(p._version)
+        except RuntimeError:  # an inference tensor (moved under inference_mode) keeps no version counter
+            if not p.is_inference():
+                raise
+            versions.append(-1)
+        snapshot = p.detach()  # hold the storage while its words are read, whatever another thread does
+        layout.append((snapshot.data_ptr(), p.dtype, p.device))
+        snapshots.append(snapshot)
+    return tuple(versions), tuple(layout), _fingerprint(snapshots), _epoch
 
 
-def fingerprint(params: tuple[torch.Tensor, ...]) -> int | None:
+def _fingerprint(snapshots: list[torch.Tensor]) -> int | None:
     """A hash of 16 words sampled from each CPU tensor's memory (whole tensors of at most 128 bytes), or None when
-    some tensor is not on the CPU (reading GPU memory would wait for the device)."""
-    if not params or any(p.device.type != "cpu" for p in params):
+    some tensor is not on the CPU (reading GPU memory would wait for the device). ``snapshots``: detached tensors,
+    each holding its storage while it is read."""
+    if not snapshots or not all(t.is_cpu for t in snapshots):
         return None
-    snapshots = [p.detach() for p in params]  # hold each storage while it is read, whatever another thread does
     native = _extension._C
     if native is not None and hasattr(native, "fingerprint") and all(t.is_contiguous() for t in snapshots):
         # (csrc/fingerprint.h: the same sampled words, hashed without a Python object per word)
-        return native.fingerprint([t.data_ptr() for t in snapshots], [t.numel() * t.element_size() for t in snapshots])
+        return native.fingerprint([t.data_ptr() for t in snapshots], [t.nbytes for t in snapshots])
     return hash(tuple(_sampled(t) for t in snapshots))
 
 
@@ -92,7 +99,7 @@ _GOLDEN = 0.6180339887498949
 
 
 def _sampled(t: torch.Tensor) -> tuple[int, ...]:
-    """The torch path of ``fingerprint`` (any layout, or without the extension): the bytes of 17 sampled elements."""
+    """The torch path of ``_fingerprint`` (any layout, or without the extension): the bytes of 17 sampled elements."""
     n = t.numel()
     if n <= 17:
         positions = list(range(n))

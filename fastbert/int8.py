@@ -96,7 +96,7 @@ def attention_chosen(module: nn.Module) -> int | None:
 
 
 def weights_digest(linears: dict[str, nn.Linear]) -> str:
-    """A digest of sampled words of each Linear's weight (as ``derived.fingerprint`` samples them), by name."""
+    """A digest of sampled words of each Linear's weight (as ``derived.state`` samples them), by name."""
     digest = hashlib.sha256()
     for name in sorted(linears):
         digest.update(name.encode() + bytes(derived._sampled(linears[name].weight.detach().float().contiguous())))
