@@ -15,6 +15,7 @@
 // kernel's 34.
 #include "attention_int8_cpu.h"
 #include "attention_tasks.h"
+#include "quantize_cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -172,9 +173,18 @@ VNNI inline void score_tile(const uint8_t* qu, const int8_t* kp, const int32_t* 
   }
 }
 
+// The u8 of head h's D outputs of a row, where the caller asked for it (the static quantizer's bytes).
+VNNI void quantize_output(const AttentionInt8CpuArgs& a, int64_t row, int64_t head) {
+  if (!a.q) return;
+  const int64_t at = (row * a.heads + head) * a.head_dim;
+  quantize_static_row(a.out + at, a.smooth ? a.smooth + head * a.head_dim : nullptr, a.head_dim, a.q_scale,
+                      a.q_zero_point, a.q + at);
+}
+
 VNNI void fill_nan(const AttentionInt8CpuArgs& a, int64_t row, int64_t head) {
   float* o = a.out + (row * a.heads + head) * a.head_dim;
   std::fill(o, o + a.head_dim, std::numeric_limits<float>::quiet_NaN());
+  quantize_output(a, row, head);
 }
 
 // Queries [i_begin, i_end) of head h of the sequence of L rows from row0.
@@ -293,6 +303,7 @@ VNNI void attend_block(const AttentionInt8CpuArgs& a, int64_t row0, int64_t L, i
           }
         }
       }
+      for (int r = 0; r < PV_ROWS && r0 + r < rows; r++) quantize_output(a, row0 + i0 + r0 + r, h);
     }
   }
 }

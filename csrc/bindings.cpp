@@ -118,7 +118,8 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
 }
 
 void attention_int8_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int64_t>& seqlens, int64_t heads,
-                        int64_t head_dim, double scale, int num_threads) {
+                        int64_t head_dim, double scale, int num_threads, std::uintptr_t q, std::uintptr_t smooth,
+                        double q_scale, int64_t q_zero_point) {
   if (heads < 1 || head_dim < 1) throw std::invalid_argument("heads and head_dim must be >= 1");
   // (int32 sums: 255 * 127 per key of p v, 255 * 127 per dim of q k^T)
   if (head_dim > 1024) throw std::invalid_argument("head_dim must be <= 1024");
@@ -127,10 +128,15 @@ void attention_int8_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vecto
     if (length < 0 || length > 65536) throw std::invalid_argument("seqlens must be in [0, 65536]");
     tokens += length;
   }
+  if (q && (!(q_scale > 0.0) || !std::isfinite(q_scale) || q_zero_point < 0 || q_zero_point > 255)) {
+    throw std::invalid_argument("q_scale must be finite and > 0, q_zero_point in [0, 255]");
+  }
   if (tokens == 0) return;
   if (!out || !qkv) throw std::invalid_argument("null data pointer");
   fastbert::attention_int8_cpu({reinterpret_cast<float*>(out), reinterpret_cast<const float*>(qkv), seqlens.data(),
-                                static_cast<int64_t>(seqlens.size()), heads, head_dim, static_cast<float>(scale)},
+                                static_cast<int64_t>(seqlens.size()), heads, head_dim, static_cast<float>(scale),
+                                reinterpret_cast<uint8_t*>(q), reinterpret_cast<const float*>(smooth), q_scale,
+                                q_zero_point},
                                num_threads);
 }
 
@@ -277,10 +283,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("attention_int8_cpu", &attention_int8_cpu,
         "attention_cpu without position terms, its two matmuls in int8 (attention_int8_cpu.h): k and v with one "
-        "scale per sequence and head, q one per row, softmax's numerators as u8. Raises RuntimeError where "
-        "attention_int8_cpu_available() is false.",
+        "scale per sequence and head, q one per row, softmax's numerators as u8; when q is not 0, also u8 q [T, H, D] "
+        "of out (divided by smooth [H D] when not 0) with q_scale and q_zero_point, quantize_static_cpu's bytes. "
+        "Raises RuntimeError where attention_int8_cpu_available() is false.",
         py::arg("out"), py::arg("qkv"), py::arg("seqlens"), py::arg("heads"), py::arg("head_dim"), py::arg("scale"),
-        py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+        py::arg("num_threads"), py::arg("q") = 0, py::arg("smooth") = 0, py::arg("q_scale") = 1.0,
+        py::arg("q_zero_point") = 0, py::call_guard<py::gil_scoped_release>());
 
   m.def("quantize_per_call_cpu", &quantize_per_call_cpu,
         "u8 [rows, cols] at out from float32 x (divided by smooth [cols] when not 0), one scale and zero point from "

@@ -1,8 +1,9 @@
 """An activation handed to the int8 GEMM that reads it together with its u8, written by the op that produced it, so
 no pass reads the float32 activation again only to quantize it.
 
-    producer   y [tokens, hidden] float32 (the LayerNorm before QKV and before the FFN's first GEMM), and in the
-               same pass q = u8 of y / smooth with the consumer's static (scale, zero point)
+    producer   y [tokens, hidden] float32 (the LayerNorm before QKV and before the FFN's first GEMM; the int8
+               attention before the O projection), and in the same pass q = u8 of y / smooth with the consumer's
+               static (scale, zero point)
     consumer   the int8 GEMM reading y with a static scale (``int8_linear.linear``): takes q when it was made from
                this very tensor with its own (scale, zero point, smooth); otherwise quantizes y itself
 

@@ -84,7 +84,7 @@ class FusedSelfAttention(Fused):
         qkv = gemm.stacked(x, (self.query, self.key, self.value))  # [N, 3 * hidden]
         p = self.dropout.p if self.training else 0.0
         return attention(qkv, layout, self.num_attention_heads, p, relative_bias=positions.relative_bias,
-                         int8_attention=int8.attention_chosen(self))
+                         int8_attention=int8.attention_chosen(self), handoff=self)
 
 
 class FusedDenseResidualLayerNorm(Fused):

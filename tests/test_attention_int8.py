@@ -15,7 +15,7 @@ import transformers
 from test_families import FAMILIES, FAMILY_IDS, inputs
 
 import fastbert
-from fastbert import guard_inputs, int8, padding
+from fastbert import guard_inputs, int8, int8_handoff, int8_linear, padding
 from fastbert.ops import attention, attention_int8
 
 pytestmark = pytest.mark.skipif(bool(attention_int8.unavailable_reasons()),
@@ -128,6 +128,46 @@ def test_bad_arguments_raise_before_the_kernel():
         attention.attention(qkv.reshape(5, -1), padding.dense_layout(1, 5, None), 2, window=1, int8_attention=8)
 
 
+@pytest.mark.parametrize("heads, head_dim, lengths", [(3, 26, [1, 37, 5]), (2, 64, [130]), (4, 8, [0, 3])])
+@pytest.mark.parametrize("spare_rows", [0, 5])
+@pytest.mark.parametrize("divided", [False, True], ids=["no smooth", "smooth"])
+def test_its_u8_output_is_the_static_quantizers(heads, head_dim, lengths, spare_rows, divided):
+    """With a target (the O projection's static scale, zero point and SmoothQuant divisors), the kernel also writes
+    the u8 of its output: the bytes ``int8_linear.quantize_static`` gives of that output, [rows, H D], its spare rows
+    zero and their u8 the zero point; the float output is the plain kernel's, bit for bit."""
+    qkv = qkv_of(sum(lengths), heads, head_dim, seed=heads)
+    divisor = torch.rand(heads * head_dim, generator=torch.Generator().manual_seed(1)) + 0.5 if divided else None
+    target = int8_handoff.Target(0.02, 131, divisor)
+    out, q = attention_int8.attention_int8_cpu_quantizing(qkv, lengths, target, spare_rows)
+    tokens, rows = sum(lengths), sum(lengths) + spare_rows
+    assert out.shape == (rows, heads, head_dim) and q.shape == out.shape and q.dtype == torch.uint8
+    assert torch.equal(out[:tokens], attention_int8.attention_int8_cpu(qkv, lengths))
+    assert not out[tokens:].any() and (q[tokens:] == 131).all()
+    flat = out.view(rows, -1)
+    assert torch.equal(q.view(rows, -1), int8_linear.quantize_static(flat, 0.02, 131, divisor))
+    assert torch.equal(q.view(rows, -1), int8_linear.quantize_static_ref(flat, 0.02, 131, divisor))
+
+
+def test_its_u8_output_of_nan_rows_is_the_quantizers():
+    qkv = qkv_of(12, 2, 8)
+    qkv[2, 1, 0, 3] = float("nan")  # key 2 of head 0: the first sequence's head 0 is NaN
+    out, q = attention_int8.attention_int8_cpu_quantizing(qkv, [6, 6], int8_handoff.Target(0.05, 7, None))
+    assert out[:6, 0].isnan().all()
+    assert torch.equal(q.view(12, -1), int8_linear.quantize_static(out.view(12, -1), 0.05, 7))
+
+
+def test_bad_targets_raise_before_the_kernel():
+    qkv = qkv_of(5, 2, 8)
+    with pytest.raises(ValueError, match="scale"):
+        attention_int8.attention_int8_cpu_quantizing(qkv, [5], int8_handoff.Target(0.0, 0, None))
+    with pytest.raises(ValueError, match="scale"):
+        attention_int8.attention_int8_cpu_quantizing(qkv, [5], int8_handoff.Target(0.1, 256, None))
+    with pytest.raises(ValueError, match="smooth"):
+        attention_int8.attention_int8_cpu_quantizing(qkv, [5], int8_handoff.Target(0.1, 0, torch.ones(15)))
+    with pytest.raises(ValueError, match="spare_rows"):
+        attention_int8.attention_int8_cpu_quantizing(qkv, [5], int8_handoff.Target(0.1, 0, None), -1)
+
+
 # --- in a quantized model (the real all-MiniLM-L6-v2: 6 layers, 12 heads of 32) ------------------------------------
 
 
@@ -144,6 +184,14 @@ def self_attentions(model):
     return [m for m in model.modules() if getattr(m, "quantizable_attention", False)]
 
 
+def launches(monkeypatch) -> list[tuple[int, ...]]:
+    """The seqlens of every launch of the kernel from now on (with or without the u8 of its output)."""
+    calls, launch = [], attention_int8._launch
+    monkeypatch.setattr(attention_int8, "_launch",
+                        lambda qkv, seqlens, *rest: calls.append(tuple(seqlens)) or launch(qkv, seqlens, *rest))
+    return calls
+
+
 def test_the_guard_chooses_it_and_the_forward_runs_it(int8_on, minilm, monkeypatch):
     st = pytest.importorskip("sentence_transformers")
     model = fastbert.quantize(st.SentenceTransformer(minilm, device="cpu"))
@@ -156,12 +204,40 @@ def test_the_guard_chooses_it_and_the_forward_runs_it(int8_on, minilm, monkeypat
     longest = guard_inputs.longest_input(guard_inputs.batches_of(model.tokenizer, texts, [model[0].auto_model]))
     assert 128 < longest <= 512 and report["longest_input"] == longest
     assert [int8.attention_chosen(m) for m in self_attentions(model)] == [longest] * 6
-    calls, kernel = [], attention_int8.attention_int8_cpu
-    monkeypatch.setattr(attention_int8, "attention_int8_cpu",
-                        lambda qkv, seqlens: calls.append(tuple(seqlens)) or kernel(qkv, seqlens))
+    calls = launches(monkeypatch)
     model.encode(TEXTS)
     tokens = tuple(len(model.tokenize([text])["input_ids"][0]) for text in TEXTS)
     assert calls == [tokens] * 6  # (packed: each sentence's real tokens)
+
+
+def test_the_o_projections_take_its_u8_from_the_second_forward(int8_on, minilm, monkeypatch):
+    """Each layer's O projection (static scale) teaches the attention its scale on a forward and takes the u8 the
+    kernel wrote with its output on the next, packed with spare rows or not; the result is the same as the GEMMs
+    quantizing their inputs themselves, bit for bit."""
+    model = fastbert.optimize(transformers.AutoModel.from_pretrained(minilm)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
+    fastbert.quantize(model, tokenizer=tokenizer)
+    taken, take = [], int8_handoff.take
+
+    def counting(*args):
+        q = take(*args)
+        taken.append(q is not None)
+        return q
+
+    monkeypatch.setattr(int8_handoff, "take", counting)
+    for texts in (TEXTS, TEXTS[:1]):  # (two sentences: packed with spare rows; one: none)
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            first = model(**batch).last_hidden_state
+            taken.clear()
+            second = model(**batch).last_hidden_state
+        # per layer the QKV (but layer 0's, after the embedding), O and FFN-in GEMMs: 5 + 6 + 6
+        assert sum(taken) == 17 and len(taken) == 18
+        assert torch.equal(first, second)
+    assert all(int8_handoff.target(module) is not None for module in self_attentions(model))
+    monkeypatch.setattr(int8_handoff, "target", lambda producer: None)
+    with torch.inference_mode():
+        assert torch.equal(model(**batch).last_hidden_state, second)
 
 
 def test_attention_false_and_guard_false_keep_it_float32(int8_on, minilm):
@@ -196,9 +272,7 @@ def test_longer_than_judged_runs_float32_said_once(int8_on, minilm, monkeypatch)
     model = fastbert.quantize(st.SentenceTransformer(minilm, device="cpu"))
     for module in self_attentions(model):
         int8.choose_attention(module, 8)
-    calls, kernel = [], attention_int8.attention_int8_cpu
-    monkeypatch.setattr(attention_int8, "attention_int8_cpu",
-                        lambda qkv, seqlens: calls.append(tuple(seqlens)) or kernel(qkv, seqlens))
+    calls = launches(monkeypatch)
     with pytest.warns(UserWarning, match="the int8 attention runs sequences of up to 8 tokens"):
         model.encode(["a sentence of well over eight tokens, as most sentences are"])
     assert calls == []
@@ -255,9 +329,7 @@ def test_every_family(int8_on, family, monkeypatch):
     assert len(modules) in (0, config.num_hidden_layers)
     for module in modules:
         int8.choose_attention(module, 64)
-    calls, kernel = [], attention_int8.attention_int8_cpu
-    monkeypatch.setattr(attention_int8, "attention_int8_cpu",
-                        lambda qkv, seqlens: calls.append(tuple(seqlens)) or kernel(qkv, seqlens))
+    calls = launches(monkeypatch)
     input_ids, mask = inputs(config, 6, 12)
     with torch.inference_mode():
         for attention_mask in (mask, torch.ones_like(mask)):

@@ -25,7 +25,7 @@ class FusedSelfAttention(layers.Fused):
         """[N, dim] -> attention context [N, dim], before ``out_lin`` (the block fuses it with the LayerNorm)."""
         qkv = gemm.stacked(x, (self.q_lin, self.k_lin, self.v_lin))  # [N, 3 * dim]
         return attention(qkv, layout, self.n_heads, self.dropout.p if self.training else 0.0,
-                         int8_attention=int8.attention_chosen(self))
+                         int8_attention=int8.attention_chosen(self), handoff=self)
 
 
 class FusedTransformerBlock(layers.Fused):

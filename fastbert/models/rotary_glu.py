@@ -31,7 +31,7 @@ class FusedSelfAttention(layers.Fused):
         qkv = stacked(x, (self.q_proj, self.k_proj, self.v_proj))  # [N, 3 * heads * head_dim], a fresh tensor
         qkv = rotary.rotary(qkv, *positions.rotary[rotary.DEFAULT], num_heads)
         return attention(qkv, layout, num_heads, self.attention_dropout if self.training else 0.0,
-                         int8_attention=int8.attention_chosen(self))
+                         int8_attention=int8.attention_chosen(self), handoff=self)
 
 
 class FusedMLP(layers.Fused):

@@ -7,7 +7,8 @@ Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_
 
   cpu-int8 ``attention_int8.py``: q k^T and p v in int8 (AVX-512 VNNI), for the layers ``fastbert.quantize``'s guard
            judged with it, on sequences no longer than it judged (``int8_attention``); opt-in, and only without a
-           window or position terms
+           window or position terms. It writes the O projection's u8 too, once that GEMM taught its static scale
+           (``handoff``)
   cpu-ext  fastbert._C's C++ kernel (csrc/attention_cpu.h): float32 inference on the CPU over packed tokens or a batch
            without padding, where it measured faster than SDPA on this CPU (``cpu.attention_figures``)
   triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
@@ -29,7 +30,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .. import _extension, announce, cpu, dispatch, int8
+from .. import _extension, announce, cpu, dispatch, int8, int8_handoff
 from ..dispatch import Backend, ByDesign, MeasuredChoice
 from ..kernels import attention as triton_attention
 from ..kernels import attention_varlen as triton_varlen
@@ -282,14 +283,23 @@ def _int8_why_not(call: Call) -> list[str]:
             list(call.reasons) or int8.unavailable_reasons() or attention_int8.unavailable_reasons()]
 
 
-def _int8_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
-    if layout.packed:
-        return attention_int8.attention_int8_cpu(heads, layout.seqlens)
-    if _every_key_real(layout):
-        return attention_int8.attention_int8_cpu(heads, (layout.seq_len,) * layout.batch)
-    # (unpad=False keeps padded rows: torch's float32 SDPA, as the float32 kernel does; the guard sees it)
-    attention_int8.declined()
-    return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled)
+def _int8_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
+    if not layout.packed and not _every_key_real(layout):
+        # (unpad=False keeps padded rows: torch's float32 SDPA, as the float32 kernel does; the guard sees it)
+        attention_int8.declined()
+        return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff)
+    seqlens = layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch
+    if handoff is None:
+        return attention_int8.attention_int8_cpu(heads, seqlens)
+    # The O projection reads the result: its u8, written in the same pass, once that GEMM has taught its scale.
+    target = int8_handoff.target(handoff)
+    if target is None:
+        out, q = attention_int8.attention_int8_cpu(heads, seqlens), None
+    else:  # [rows, H, D] with the layout's spare rows (zero; their u8 the zero point): no copy to add them after
+        out, q = attention_int8.attention_int8_cpu_quantizing(heads, seqlens, target, layout.spare_rows)
+    out = out.view(out.shape[0], -1)  # [rows, H D]: the very tensor ``attention`` returns and the GEMM reads
+    int8_handoff.offer(handoff, out, None if q is None else q.view(out.shape), None if q is None else target)
+    return out
 
 
 def _triton_why_not(call: Call) -> list[str]:
@@ -300,7 +310,7 @@ def _triton_why_not(call: Call) -> list[str]:
     return []
 
 
-def _triton_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
+def _triton_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
     positional = window is not None or relative_bias is not None or disentangled is not None
     columns = layout.columns if positional else None
     t = None if disentangled is None else position_terms.tables(heads, disentangled)
@@ -326,7 +336,7 @@ def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [MeasuredChoice(slower)] if slower else []
 
 
-def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
+def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
     positional = window is not None or relative_bias is not None or disentangled is not None
     columns = layout.columns if positional else None
     if layout.packed:
@@ -335,10 +345,10 @@ def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled
         return attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window,
                              disentangled=disentangled)
     # (unpad=False keeps padded rows)
-    return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled)
+    return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff)
 
 
-def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled):
+def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
     if disentangled is not None:  # (the bias SDPA adds is built from the tables)
         disentangled = position_terms.tables(heads, disentangled)
     if not layout.packed:
@@ -380,7 +390,8 @@ def _decide(qkv: torch.Tensor, relative_bias: torch.Tensor | None, dropout_p: fl
 
 def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p: float = 0.0,
               window: int | None = None, relative_bias: torch.Tensor | None = None,
-              disentangled: Disentangled | None = None, int8_attention: int | None = None) -> torch.Tensor:
+              disentangled: Disentangled | None = None, int8_attention: int | None = None,
+              handoff: torch.nn.Module | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + bias) v per head, over each sequence's real tokens.
 
     qkv: [rows, 3 * hidden] -> [rows, hidden] (rows: the layout's tokens, then its spare rows, which come out zero).
@@ -392,6 +403,8 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
     int8_attention: None, or the longest sequence whose q k^T and p v run in int8 (``attention_int8.py``; the
     layer's choice, made by ``fastbert.quantize``'s guard on sequences up to that long): a batch with a longer one
     runs in float32, said once. Without a window or position terms only.
+    handoff: the module whose output this is (the self-attention), for the int8 GEMM that reads it next: where the
+    int8 attention runs, it writes that GEMM's u8 in the same pass (``int8_handoff.py``).
     """
     if int8_attention is not None and (window is not None or relative_bias is not None or disentangled is not None):
         raise ValueError("the int8 attention (int8_attention) takes no window, relative bias or position terms")
@@ -407,6 +420,9 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
                               quantized),
                        _decide, qkv, relative_bias, dropout_p, head_dim, disentangled, quantized)
     real = qkv[:tokens] if layout.spare_rows else qkv
-    out = decision(real.view(tokens, 3, num_heads, head_dim), layout, dropout_p, window, relative_bias, disentangled)
+    out = decision(real.view(tokens, 3, num_heads, head_dim), layout, dropout_p, window, relative_bias, disentangled,
+                   handoff)
+    if out.shape == (tokens + layout.spare_rows, hidden):
+        return out  # (every row already, spare ones zero: the very tensor whose u8 may have been handed on with it)
     out = out.reshape(tokens, hidden)  # (SDPA's math backend, for dropout and float64, returns [B, H, S, D] memory)
     return torch.cat([out, out.new_zeros(layout.spare_rows, hidden)]) if layout.spare_rows else out

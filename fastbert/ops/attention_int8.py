@@ -9,7 +9,8 @@ layers where ``fastbert.quantize``'s guard judged it (``int8.choose_attention``)
 On an Intel Xeon with AVX-512 VNNI (2 threads, 12 heads of 64, 8 x 128 tokens) the kernel took half the time of the
 float32 one. The scales are taken per call from the values themselves (no calibration, nothing saved), so no query
 depends on another sequence. Reference: ``attention_int8_ref`` (the same integers; its exp is torch's, so a
-probability can sit one level away from the kernel's at a rounding tie). Kernel: csrc/attention_int8_cpu.h.
+probability can sit one level away from the kernel's at a rounding tie). Kernel: csrc/attention_int8_cpu.h. With a
+target (``attention_int8_cpu_quantizing``) it also writes the u8 its O projection reads (``int8_handoff.py``).
 """
 
 import functools
@@ -17,8 +18,8 @@ import threading
 
 import torch
 
-from .. import _extension
-from ..kernels._common import launch_or_op
+from .. import _extension, int8_handoff, int8_linear
+from ..kernels._common import direct_launch, launch_or_op
 
 LEVELS = 255  # softmax's numerators: u8, the row's largest exactly this
 MAX_HEAD_DIM = 1024  # (int32 sums of 255 x 127 products per dim stay exact in float32 up to here)
@@ -103,22 +104,44 @@ def declined() -> None:
     _calls.declined = launches()[1] + 1
 
 
-def _launch(qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+def _launch(qkv: torch.Tensor, seqlens: list[int], target: int8_handoff.Target | None = None, spare_rows: int = 0,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     qkv = qkv.detach().contiguous()
     _check_args(qkv, seqlens)
+    hidden = qkv.shape[2] * qkv.shape[3]
+    if target is not None:
+        int8_linear.check_static(target.scale, target.zero_point)
+        smooth = target.smooth
+        if smooth is not None and (smooth.device.type != "cpu" or smooth.dtype != torch.float32
+                                   or smooth.shape != (hidden,) or not smooth.is_contiguous()):
+            raise ValueError(f"the target's smooth must be float32 [{hidden}] on the CPU, got {tuple(smooth.shape)} "
+                             f"{smooth.dtype}")
     reasons = unavailable_reasons()
     if reasons:
         raise RuntimeError(reasons[0])
-    out = qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
+    tokens = qkv.shape[0]
+    out = qkv.new_empty(tokens + spare_rows, qkv.shape[2], qkv.shape[3])
+    q = None if target is None else torch.empty(out.shape, dtype=torch.uint8)
+    if spare_rows:
+        out[tokens:] = 0
+        if q is not None:
+            q[tokens:] = target.zero_point  # (the u8 of a zero)
+    smooth = None if target is None else target.smooth
     _calls.launched = launches()[0] + 1
     _extension._C.attention_int8_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), qkv.shape[2], qkv.shape[3],
-                                     qkv.shape[3] ** -0.5, torch.get_num_threads())
-    return out
+                                     qkv.shape[3] ** -0.5, torch.get_num_threads(), 0 if q is None else q.data_ptr(),
+                                     0 if smooth is None else smooth.data_ptr(),
+                                     1.0 if target is None else target.scale, 0 if target is None else target.zero_point)
+    return out, q
+
+
+def _launch_output(qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+    return _launch(qkv, seqlens)[0]
 
 
 @torch.library.custom_op("fastbert::attention_int8_cpu", mutates_args=())
 def _op(qkv: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-    return _launch(qkv, seqlens)
+    return _launch_output(qkv, seqlens)
 
 
 @_op.register_fake
@@ -131,4 +154,20 @@ def attention_int8_cpu(qkv: torch.Tensor, seqlens) -> torch.Tensor:
     """Padding-free attention, q k^T and p v in int8 (module docstring), forward only: qkv [T, 3, H, D] float32 ->
     [T, H, D], sequence b the next ``seqlens[b]`` rows, scale 1 / sqrt(D). Raises ValueError before the kernel runs
     when the arguments do not fit, RuntimeError where ``unavailable_reasons()`` says it cannot run."""
-    return launch_or_op(_launch, _op, qkv, list(seqlens))
+    return launch_or_op(_launch_output, _op, qkv, list(seqlens))
+
+
+def attention_int8_cpu_quantizing(qkv: torch.Tensor, seqlens, target: int8_handoff.Target, spare_rows: int = 0,
+                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attention_int8_cpu``, writing in the same pass the u8 of its output for the int8 GEMM that reads it next
+    (``int8_handoff.py``): ``int8_linear.quantize_static``'s bytes of the output viewed [rows, H D] with ``target``'s
+    scale, zero point and divisors. Both have ``spare_rows`` rows after the T tokens' (zero, and the u8 of zero): the
+    spare rows of a bucketed layout, so the GEMM reads them without a copy. In eager code on plain tensors;
+    elsewhere (torch.compile, export, torch.func) the registered op runs and the u8 is None (the GEMM quantizes its
+    input itself)."""
+    if spare_rows < 0:
+        raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
+    if not direct_launch(qkv):
+        out = attention_int8_cpu(qkv, seqlens)
+        return (torch.cat([out, out.new_zeros(spare_rows, *out.shape[1:])]) if spare_rows else out), None
+    return _launch(qkv, list(seqlens), target, spare_rows)
