@@ -76,7 +76,8 @@ def state(params: tuple[torch.Tensor, ...]) -> tuple:
             if not p.is_inference():
                 raise
             versions.append(-1)
-        snapshot = p.detach()  # hold the storage while its words are read, whatever another thread does
+        # (on the CPU a snapshot holds the storage while its words are read, whatever another thread does)
+        snapshot = p.detach() if p.is_cpu else p
         layout.append((snapshot.data_ptr(), p.dtype, p.device))
         snapshots.append(snapshot)
     return tuple(versions), tuple(layout), _fingerprint(snapshots), _epoch

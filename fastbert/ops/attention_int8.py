@@ -109,9 +109,9 @@ def _launch(qkv: torch.Tensor, seqlens: list[int], target: int8_handoff.Target |
     qkv = qkv.detach().contiguous()
     _check_args(qkv, seqlens)
     hidden = qkv.shape[2] * qkv.shape[3]
+    smooth = None if target is None else target.smooth
     if target is not None:
         int8_linear.check_static(target.scale, target.zero_point)
-        smooth = target.smooth
         if smooth is not None and (smooth.device.type != "cpu" or smooth.dtype != torch.float32
                                    or smooth.shape != (hidden,) or not smooth.is_contiguous()):
             raise ValueError(f"the target's smooth must be float32 [{hidden}] on the CPU, got {tuple(smooth.shape)} "
@@ -125,8 +125,7 @@ def _launch(qkv: torch.Tensor, seqlens: list[int], target: int8_handoff.Target |
     if spare_rows:
         out[tokens:] = 0
         if q is not None:
-            q[tokens:] = target.zero_point  # (the u8 of a zero)
-    smooth = None if target is None else target.smooth
+            q[tokens:] = target.zero_point  # (the u8 of a zero: 0 / smooth is 0 for the guard's divisors, all > 0)
     _calls.launched = launches()[0] + 1
     _extension._C.attention_int8_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), qkv.shape[2], qkv.shape[3],
                                      qkv.shape[3] ** -0.5, torch.get_num_threads(), 0 if q is None else q.data_ptr(),
@@ -157,14 +156,14 @@ def attention_int8_cpu(qkv: torch.Tensor, seqlens) -> torch.Tensor:
     return launch_or_op(_launch_output, _op, qkv, list(seqlens))
 
 
-def attention_int8_cpu_quantizing(qkv: torch.Tensor, seqlens, target: int8_handoff.Target, spare_rows: int = 0,
-                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attention_int8_cpu_quantizing(qkv: torch.Tensor, seqlens, target: int8_handoff.Target | None,
+                                  spare_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``attention_int8_cpu``, writing in the same pass the u8 of its output for the int8 GEMM that reads it next
     (``int8_handoff.py``): ``int8_linear.quantize_static``'s bytes of the output viewed [rows, H D] with ``target``'s
-    scale, zero point and divisors. Both have ``spare_rows`` rows after the T tokens' (zero, and the u8 of zero): the
-    spare rows of a bucketed layout, so the GEMM reads them without a copy. In eager code on plain tensors;
-    elsewhere (torch.compile, export, torch.func) the registered op runs and the u8 is None (the GEMM quantizes its
-    input itself)."""
+    scale, zero point and divisors (``target`` None: no u8, as before the GEMM has taught one). Both have
+    ``spare_rows`` rows after the T tokens' (zero, and the u8 of zero): the spare rows of a bucketed layout, so the
+    GEMM reads them without a copy. In eager code on plain tensors; elsewhere (torch.compile, export, torch.func) the
+    registered op runs and the u8 is None (the GEMM quantizes its input itself)."""
     if spare_rows < 0:
         raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
     if not direct_launch(qkv):
