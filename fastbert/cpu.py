@@ -162,7 +162,7 @@ def onednn_slower_reason(dtype: torch.dtype) -> str | None:
 
 
 def attention_figures(kernel) -> dict:
-    """GFLOP/s of torch's SDPA and of the C++ CPU attention ``kernel`` (``ops.attention.attention_cpu``, float32) at
+    """GFLOP/s of torch's SDPA and of the C++ CPU attention ``kernel`` (``ops.attention_cpu.attention_cpu``, float32) at
     ``ATTENTION_SEQUENCES``, measured once per machine (~0.3 s), then read back."""
     return _measured("attention", ATTENTION_MEASUREMENT, ("torch", "cpu-ext"), tuple(ATTENTION_SEQUENCES),
                      lambda: _measure_attention(kernel))

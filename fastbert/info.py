@@ -13,7 +13,7 @@ import types
 import torch
 
 from . import __version__, _extension, announce, cpu, dispatch, int8, int8_decisions, models, threads, validation
-from .ops import attention, attention_int8
+from .ops import attention_cpu, attention_int8
 from .optimize import reports as optimize_reports
 
 
@@ -56,8 +56,8 @@ def info() -> dict:
         "threads": threads.report(),
         # The C++ CPU attention (float32 inference): the instruction sets it runs with here, or why it does not, and
         # its GFLOP/s against torch's SDPA as measured on this CPU (once per machine, at the first CPU forward).
-        "cpu_attention": {"isas": attention.attention_cpu_isas(),
-                          "unavailable": attention.attention_cpu_unavailable_reasons(),
+        "cpu_attention": {"isas": attention_cpu.attention_cpu_isas(),
+                          "unavailable": attention_cpu.attention_cpu_unavailable_reasons(),
                           "measured_gflops": cpu.attention_figures_so_far()},
         # CPU GEMM library: FASTBERT_CPU_GEMM, and what was measured on this CPU (GFLOP/s per token count, once per
         # machine and dtype; "source": measured now, or the file that holds this machine's figures).

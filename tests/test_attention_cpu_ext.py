@@ -13,14 +13,14 @@ import torch
 
 import fastbert
 from fastbert import cpu, dispatch, padding
-from fastbert.ops import attention
+from fastbert.ops import attention, attention_cpu
 from fastbert.kernels.attention_varlen import attention_varlen_ref
 
-pytestmark = pytest.mark.skipif(bool(attention.attention_cpu_unavailable_reasons()),
-                                reason="; ".join(attention.attention_cpu_unavailable_reasons()))
+pytestmark = pytest.mark.skipif(bool(attention_cpu.attention_cpu_unavailable_reasons()),
+                                reason="; ".join(attention_cpu.attention_cpu_unavailable_reasons()))
 FP32_TOL = 1e-5
 # Every instruction set this CPU runs (an AVX-512 machine checks the AVX2 build too).
-ISAS = attention.attention_cpu_isas()
+ISAS = attention_cpu.attention_cpu_isas()
 
 
 def qkv_of(tokens, heads, head_dim, seed=0):
@@ -48,7 +48,7 @@ def test_matches_reference(isa, head_dim, lengths, radius):
     heads = 3
     qkv = qkv_of(sum(lengths), heads, head_dim)
     table = None if radius is None else table_of(heads, radius)
-    out = attention.attention_cpu(qkv, lengths, table, isa=isa)
+    out = attention_cpu.attention_cpu(qkv, lengths, table, isa=isa)
     assert out.shape == (sum(lengths), heads, head_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out, reference(qkv, lengths, table), rtol=0, atol=FP32_TOL)
 
@@ -60,7 +60,7 @@ def test_window(isa, window, radius):
     lengths = [1, 40, 130]
     qkv = qkv_of(sum(lengths), 2, 26)
     table = None if radius is None else table_of(2, radius)
-    out = attention.attention_cpu(qkv, lengths, table, window, isa=isa)
+    out = attention_cpu.attention_cpu(qkv, lengths, table, window, isa=isa)
     torch.testing.assert_close(out, reference(qkv, lengths, table, window), rtol=0, atol=FP32_TOL)
 
 
@@ -76,9 +76,9 @@ def test_holes_measure_distances_between_columns(isa, window, radius):
     lengths = mask.sum(dim=1).tolist()
     columns = torch.arange(90).expand(3, 90)[mask].to(torch.int32)
     qkv, table = qkv_of(sum(lengths), 3, 16), None if radius is None else table_of(3, radius)
-    out = attention.attention_cpu(qkv, lengths, table, window, columns, isa=isa)
+    out = attention_cpu.attention_cpu(qkv, lengths, table, window, columns, isa=isa)
     torch.testing.assert_close(out, reference(qkv, lengths, table, window, columns), rtol=0, atol=FP32_TOL)
-    assert not torch.allclose(out, attention.attention_cpu(qkv, lengths, table, window, isa=isa), atol=1e-3)
+    assert not torch.allclose(out, attention_cpu.attention_cpu(qkv, lengths, table, window, isa=isa), atol=1e-3)
 
 
 def test_threads_and_query_blocks_give_the_same_result():
@@ -90,7 +90,7 @@ def test_threads_and_query_blocks_give_the_same_result():
         results = []
         for count in (1, 2, 3, 5):
             torch.set_num_threads(count)
-            results.append(attention.attention_cpu(qkv, [300], table))
+            results.append(attention_cpu.attention_cpu(qkv, [300], table))
     finally:
         torch.set_num_threads(threads)
     for out in results[1:]:
@@ -102,13 +102,13 @@ def test_nan_and_huge_windows(isa):
     """A NaN in one key poisons every query that sees it (as in torch); a window past any length sees every key."""
     qkv = qkv_of(9, 2, 8)
     qkv[4, 1, 0, 3] = float("nan")  # key 4 of head 0
-    out = attention.attention_cpu(qkv, [9], None, 2, isa=isa)
+    out = attention_cpu.attention_cpu(qkv, [9], None, 2, isa=isa)
     sees_key_4 = (torch.arange(9) - 4).abs() <= 2
     assert out[:, 0].isnan().any(dim=-1).equal(sees_key_4) and not out[:, 1].isnan().any()
     clean = qkv_of(9, 2, 8)
     for window in (2 ** 31, 2 ** 32, 2 ** 40):
-        torch.testing.assert_close(attention.attention_cpu(clean, [9], None, window, isa=isa),
-                                   attention.attention_cpu(clean, [9], isa=isa), rtol=0, atol=0)
+        torch.testing.assert_close(attention_cpu.attention_cpu(clean, [9], None, window, isa=isa),
+                                   attention_cpu.attention_cpu(clean, [9], isa=isa), rtol=0, atol=0)
 
 
 def test_registered_op():
@@ -120,17 +120,17 @@ def test_registered_op():
 def test_bad_arguments_raise_before_the_kernel():
     qkv = qkv_of(5, 2, 8)
     with pytest.raises(ValueError, match="seqlens"):
-        attention.attention_cpu(qkv, [3, 3])
+        attention_cpu.attention_cpu(qkv, [3, 3])
     with pytest.raises(ValueError, match="qkv"):
-        attention.attention_cpu(qkv.double(), [5])
+        attention_cpu.attention_cpu(qkv.double(), [5])
     with pytest.raises(ValueError, match="relative_bias"):
-        attention.attention_cpu(qkv, [5], torch.zeros(2, 4))
+        attention_cpu.attention_cpu(qkv, [5], torch.zeros(2, 4))
     with pytest.raises(ValueError, match="window"):
-        attention.attention_cpu(qkv, [5], None, -1)
+        attention_cpu.attention_cpu(qkv, [5], None, -1)
     with pytest.raises(ValueError, match="columns"):
-        attention.attention_cpu(qkv, [5], None, None, torch.arange(5))
+        attention_cpu.attention_cpu(qkv, [5], None, None, torch.arange(5))
     with pytest.raises(ValueError, match="isa"):
-        attention.attention_cpu(qkv, [5], isa="sse2")
+        attention_cpu.attention_cpu(qkv, [5], isa="sse2")
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurem
     where it measured slower, SDPA runs without a warning: a measured choice between exact paths, not a fallback."""
     monkeypatch.setattr(cpu, "_figures", {})
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
-    figures = cpu.attention_figures(attention.attention_cpu)
+    figures = cpu.attention_figures(attention_cpu.attention_cpu)
     assert figures["source"] == "measured" and set(figures["torch"]) == set(figures["cpu-ext"]) == {128, 512}
     assert fastbert.info()["cpu_attention"]["measured_gflops"] == figures
     store = json.loads((tmp_path / "cpu_gemm.json").read_text())

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fastbert import padding
-from fastbert.ops import attention, disentangled
+from fastbert.ops import attention, attention_cpu, disentangled
 
-CPU_KERNEL = pytest.mark.skipif(bool(attention.attention_cpu_unavailable_reasons()),
-                                reason="; ".join(attention.attention_cpu_unavailable_reasons()))
+CPU_KERNEL = pytest.mark.skipif(bool(attention_cpu.attention_cpu_unavailable_reasons()),
+                                reason="; ".join(attention_cpu.attention_cpu_unavailable_reasons()))
 FP32_TOL = 1e-5
 
 
@@ -40,7 +40,7 @@ def qkv_of(tokens, heads, head_dim, seed=1):
 
 
 @CPU_KERNEL
-@pytest.mark.parametrize("isa", attention.attention_cpu_isas())
+@pytest.mark.parametrize("isa", attention_cpu.attention_cpu_isas())
 @pytest.mark.parametrize("head_dim", [8, 26, 80])
 @pytest.mark.parametrize("lengths", [[17, 0, 1, 5], [255], [300, 3]], ids=["mixed", "tile-edge", "long"])
 @pytest.mark.parametrize("which", [("c2p", "p2c"), ("c2p",), ("p2c",)], ids="+".join)
@@ -48,17 +48,17 @@ def qkv_of(tokens, heads, head_dim, seed=1):
 def test_kernel_matches_reference(isa, head_dim, lengths, which, rows):
     heads, tokens = 3, sum(lengths)
     qkv, terms = qkv_of(tokens, heads, head_dim), terms_of(heads, head_dim, rows, max(lengths), which)
-    out = attention.attention_cpu(qkv, lengths, isa=isa, disentangled=terms)
+    out = attention_cpu.attention_cpu(qkv, lengths, isa=isa, disentangled=terms)
     torch.testing.assert_close(out, reference(qkv, lengths, terms).float(), rtol=0, atol=FP32_TOL)
 
 
 @CPU_KERNEL
-@pytest.mark.parametrize("isa", attention.attention_cpu_isas())
+@pytest.mark.parametrize("isa", attention_cpu.attention_cpu_isas())
 def test_kernel_with_holes_measures_between_columns(isa):
     lengths = [4, 20, 1]
     columns = torch.cat([torch.arange(4) * 3, torch.arange(20) * 2 + 1, torch.tensor([7])]).to(torch.int32)
     qkv, terms = qkv_of(sum(lengths), 2, 26), terms_of(2, 26, 11, 40, ("c2p", "p2c"))
-    out = attention.attention_cpu(qkv, lengths, columns=columns, isa=isa, disentangled=terms)
+    out = attention_cpu.attention_cpu(qkv, lengths, columns=columns, isa=isa, disentangled=terms)
     torch.testing.assert_close(out, reference(qkv, lengths, terms, columns).float(), rtol=0, atol=FP32_TOL)
     assert (out - reference(qkv, lengths, terms).float()).abs().max() > 1e-3  # (the holes count)
 
@@ -67,13 +67,13 @@ def test_kernel_with_holes_measures_between_columns(isa):
 def test_bad_rows_raise_before_the_kernel():
     qkv, terms = qkv_of(6, 2, 8), terms_of(2, 8, 5, 5, ("c2p", "p2c"))
     with pytest.raises(ValueError, match="pos_key must be"):
-        attention.attention_cpu(qkv, [6], disentangled=dataclasses.replace(terms, pos_key=terms.pos_key[:, :15]))
+        attention_cpu.attention_cpu(qkv, [6], disentangled=dataclasses.replace(terms, pos_key=terms.pos_key[:, :15]))
     with pytest.raises(ValueError, match="index must hold rows"):
-        attention.attention_cpu(qkv, [6], disentangled=dataclasses.replace(terms, index=terms.index + 5))
+        attention_cpu.attention_cpu(qkv, [6], disentangled=dataclasses.replace(terms, index=terms.index + 5))
     with pytest.raises(ValueError, match="index covers distances up to 2"):
-        attention.attention_cpu(qkv, [6], disentangled=dataclasses.replace(terms, index=terms.index[3:8]))
+        attention_cpu.attention_cpu(qkv, [6], disentangled=dataclasses.replace(terms, index=terms.index[3:8]))
     with pytest.raises(ValueError, match="index must be an int32"):
-        attention.attention_cpu(qkv, [6], disentangled=dataclasses.replace(terms, index=terms.index.long()))
+        attention_cpu.attention_cpu(qkv, [6], disentangled=dataclasses.replace(terms, index=terms.index.long()))
 
 
 @CPU_KERNEL
@@ -95,6 +95,6 @@ def test_torch_path_matches_reference(unpad):
     keep = mask.flatten().bool()
     qkv = dense[keep] if unpad else dense
     terms = terms_of(3, 26, 17, 8, ("c2p", "p2c"))
-    out = attention._torch_run(None, qkv, layout, 0.0, None, None, terms).reshape(qkv.shape[0], 3, 26)
+    out = attention._torch_run(None, qkv, layout, 0.0, None, None, terms, None).reshape(qkv.shape[0], 3, 26)
     expected = reference(dense[keep], packed.seqlens, terms, packed.columns)
     torch.testing.assert_close((out if unpad else out[keep]).double(), expected, rtol=0, atol=FP32_TOL)

@@ -9,7 +9,7 @@ Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_
            judged with it, on sequences no longer than it judged (``int8_attention``); opt-in, and only without a
            window or position terms. It writes the O projection's u8 too, once that GEMM taught its static scale
            (``handoff``)
-  cpu-ext  fastbert._C's C++ kernel (csrc/attention_cpu.h): float32 inference on the CPU over packed tokens or a batch
+  cpu-ext  fastbert._C's C++ kernel (``attention_cpu.py``): float32 inference on the CPU over packed tokens or a batch
            without padding, where it measured faster than SDPA on this CPU (``cpu.attention_figures``)
   triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
            over packed tokens (``kernels/attention_varlen.py``); head dims up to ``MAX_HEAD_DIM``; windows and
@@ -25,118 +25,20 @@ measures them; a packed layout whose mask has holes carries them in ``layout.col
 """
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
 
-from .. import _extension, announce, cpu, dispatch, int8, int8_handoff
+from .. import announce, cpu, dispatch, int8, int8_handoff
 from ..dispatch import Backend, ByDesign, MeasuredChoice
 from ..kernels import attention as triton_attention
 from ..kernels import attention_varlen as triton_varlen
-from ..kernels._common import launch_or_op
 from ..padding import TokenLayout
 from . import attention_int8
+from .attention_cpu import attention_cpu, attention_cpu_unavailable_reasons
 from . import disentangled as position_terms
 from .disentangled import Disentangled, Tables
 from ..plan import decided
-
-
-# --- fastbert._C's CPU kernel -----------------------------------------------------------------------------------------
-
-
-def attention_cpu_unavailable_reasons() -> list[str]:
-    """Why ``attention_cpu`` cannot run here ([] when it can): a property of this build and CPU, found once."""
-    return list(_attention_cpu_reasons())
-
-
-@functools.cache
-def _attention_cpu_reasons() -> tuple[str, ...]:
-    return _extension.cpu_kernel_reasons("attention_cpu", "fastbert's CPU attention kernel",
-                                         lambda C: bool(C.attention_cpu_isas()), "an x86-64 CPU with AVX2 and FMA")
-
-
-def attention_cpu_isas() -> list[str]:
-    """The instruction sets the CPU attention can run with here, fastest first ("avx512", "avx2")."""
-    return [] if attention_cpu_unavailable_reasons() else list(_extension._C.attention_cpu_isas())
-
-
-def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa="", pos_key=None, pos_query=None,
-                              index=None):
-    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv must be a float32 CPU tensor [tokens, 3, heads, head_dim], got {tuple(qkv.shape)} "
-                         f"{qkv.dtype} on {qkv.device}")
-    if any(length < 0 for length in seqlens) or sum(seqlens) != qkv.shape[0]:
-        raise ValueError(f"seqlens must be >= 0 and add up to qkv's {qkv.shape[0]} tokens, got {list(seqlens)}")
-    if relative_bias is not None and (relative_bias.dtype != torch.float32 or relative_bias.device.type != "cpu"
-                                      or relative_bias.dim() != 2 or relative_bias.shape[0] != qkv.shape[2]
-                                      or relative_bias.shape[1] % 2 == 0):
-        raise ValueError(f"relative_bias must be a float32 CPU tensor [heads, 2 * radius + 1] = [{qkv.shape[2]}, odd], "
-                         f"got {tuple(relative_bias.shape)} {relative_bias.dtype} on {relative_bias.device}")
-    if isa and isa not in attention_cpu_isas():
-        raise ValueError(f"isa must be one of {attention_cpu_isas()} on this CPU, or '' for the fastest, got {isa!r}")
-    if window is not None and window < 0:
-        raise ValueError(f"window must be None or >= 0, got {window}")
-    if columns is not None and (columns.dtype != torch.int32 or columns.shape != (qkv.shape[0],)
-                                or columns.device.type != "cpu"):
-        raise ValueError(f"columns must be an int32 CPU tensor [{qkv.shape[0]}], got {tuple(columns.shape)} "
-                         f"{columns.dtype} on {columns.device}")
-    position_terms.check_rows(qkv, seqlens, columns, pos_key, pos_query, index)
-
-
-def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", pos_key=None, pos_query=None,
-                          index=None, scale=None) -> torch.Tensor:
-    tensors = [None if t is None else t.detach().contiguous()
-               for t in (qkv, relative_bias, columns, pos_key, pos_query, index)]
-    qkv, relative_bias, columns, pos_key, pos_query, index = tensors
-    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index)
-    reasons = attention_cpu_unavailable_reasons()
-    if reasons:
-        raise RuntimeError(reasons[0])
-    heads, head_dim = qkv.shape[2], qkv.shape[3]
-    out = qkv.new_empty(qkv.shape[0], heads, head_dim)
-    rows = pos_key if pos_key is not None else pos_query
-    _extension._C.attention_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), heads, head_dim,
-                                0 if relative_bias is None else relative_bias.data_ptr(),
-                                0 if relative_bias is None else (relative_bias.shape[1] - 1) // 2,
-                                -1 if window is None else window, 0 if columns is None else columns.data_ptr(),
-                                head_dim ** -0.5 if scale is None else scale, torch.get_num_threads(), isa,
-                                0 if pos_key is None else pos_key.data_ptr(),
-                                0 if pos_query is None else pos_query.data_ptr(),
-                                0 if rows is None else rows.shape[0], 0 if index is None else index.data_ptr(),
-                                0 if index is None else (index.shape[0] - 1) // 2)
-    return out
-
-
-@torch.library.custom_op("fastbert::attention_cpu", mutates_args=())
-def _attention_cpu_op(qkv: torch.Tensor, seqlens: list[int], relative_bias: torch.Tensor | None,
-                      window: int | None, columns: torch.Tensor | None, isa: str,
-                      pos_key: torch.Tensor | None = None, pos_query: torch.Tensor | None = None,
-                      index: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index, scale)
-
-
-@_attention_cpu_op.register_fake
-def _(qkv, seqlens, relative_bias, window, columns, isa, pos_key=None, pos_query=None, index=None, scale=None):
-    _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)  # (the tables' values: when it runs)
-    return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
-
-
-def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None, window: int | None = None,
-                  columns: torch.Tensor | None = None, isa: str = "",
-                  disentangled: Disentangled | None = None) -> torch.Tensor:
-    """Padding-free float32 attention on the CPU, forward only (csrc/attention_cpu.h; reference:
-    ``kernels/attention_varlen.py``'s ``attention_varlen_ref``): qkv [T, 3, H, D] -> [T, H, D], sequence b the next
-    ``seqlens[b]`` rows. relative_bias: None or float32 [H, 2R + 1] by distance j - i clamped to [-R, R]; window:
-    None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
-    columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each);
-    disentangled: DeBERTa's projected relative rows, their index by distance and the scale (``ops/disentangled.py``):
-    each sequence's and head's dot products with them formed in cache and gathered per score. Raises ValueError
-    before the kernel runs when the arguments do not fit."""
-    d = disentangled
-    return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
-                        isa, None if d is None else d.pos_key, None if d is None else d.pos_query,
-                        None if d is None else d.index, None if d is None else d.scale)
 
 
 # --- torch's SDPA -----------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Attention with its two matmuls in int8 on the CPU: the quantized variant of ``attention.attention_cpu``, run in the
+"""Attention with its two matmuls in int8 on the CPU: the quantized variant of ``attention_cpu.attention_cpu``, run in the
 layers where ``fastbert.quantize``'s guard judged it (``int8.choose_attention``).
 
     qkv [T, 3, H, D] float32 -> [T, H, D] float32, sequence b the next ``seqlens[b]`` rows; per sequence and head:
