@@ -1,5 +1,5 @@
-"""Attention with its two matmuls in int8 on the CPU: the quantized variant of ``attention_cpu.attention_cpu``, run in the
-layers where ``fastbert.quantize``'s guard judged it (``int8.choose_attention``).
+"""Attention with its two matmuls in int8 on the CPU: the quantized variant of ``attention_cpu.attention_cpu``, run in
+the layers where ``fastbert.quantize``'s guard judged it (``int8.choose_attention``).
 
     qkv [T, 3, H, D] float32 -> [T, H, D] float32, sequence b the next ``seqlens[b]`` rows; per sequence and head:
     k, v -> s8 with one scale each (amax / 127), each query row -> s8 with its own; scores from exact int32 dot
@@ -130,7 +130,8 @@ def _launch(qkv: torch.Tensor, seqlens: list[int], target: int8_handoff.Target |
     _extension._C.attention_int8_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), qkv.shape[2], qkv.shape[3],
                                      qkv.shape[3] ** -0.5, torch.get_num_threads(), 0 if q is None else q.data_ptr(),
                                      0 if smooth is None else smooth.data_ptr(),
-                                     1.0 if target is None else target.scale, 0 if target is None else target.zero_point)
+                                     1.0 if target is None else target.scale,
+                                     0 if target is None else target.zero_point)
     return out, q
 
 
