@@ -191,15 +191,14 @@ def _int8_run(call, heads, layout, dropout_p, window, relative_bias, disentangle
         attention_int8.declined()
         return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff)
     seqlens = layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch
-    if handoff is None:
-        return attention_int8.attention_int8_cpu(heads, seqlens)
     # The O projection reads the result: its u8, written in the same pass, once that GEMM has taught its scale.
     # [rows, H, D] with the layout's spare rows (zero; their u8 the zero point): no copy to add them after, and the
     # tensor the GEMM reads is the one offered even without a target (so that the GEMM can teach it)
-    target = int8_handoff.target(handoff)
+    target = None if handoff is None else int8_handoff.target(handoff)
     out, q = attention_int8.attention_int8_cpu_quantizing(heads, seqlens, target, layout.spare_rows)
     out = out.view(out.shape[0], -1)  # [rows, H D]: the very tensor ``attention`` returns and the GEMM reads
-    int8_handoff.offer(handoff, out, None if q is None else q.view(out.shape), None if q is None else target)
+    if handoff is not None:
+        int8_handoff.offer(handoff, out, None if q is None else q.view(out.shape), None if q is None else target)
     return out
 
 
