@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _extension, announce
+from . import _extension, announce, replay
 
 try:  # modules under torch.distributed's composable APIs (fully_shard, replicate), held weakly
     from torch.distributed._composable_state import _module_state_mapping as _composable_modules
@@ -145,14 +145,27 @@ def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build)
     entry = entries.get(name)
     now = state(params)  # read before building: a write during the build leaves the new entry stale, not wrong
     if entry is not None and entry.state == now and entry.built_from(params):
+        replay.derived_used(owner, name, params, entry.value)
         return entry.value
     # Outside inference mode, so the result is a normal tensor usable by later no-grad forwards too.
-    with torch.inference_mode(False), torch.no_grad():
+    with replay.aside(), torch.inference_mode(False), torch.no_grad():
         value = build(*(p.detach() for p in params))
+    if entry is not None:  # (a value replaced: no replay may hold the old one)
+        replay.forget()
     entry = _Entry(owner, name, params, now, value)
     owner.__dict__[ATTRIBUTE] = _Entries({**entries, name: entry})  # one assignment publishes it
     _track(params)
+    replay.derived_used(owner, name, params, value)
     return value
+
+
+def current(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...]):
+    """What ``cached`` would return now without building: the value cached on ``owner`` under ``name`` while
+    ``params`` hold what it was built from, else None."""
+    entry = (owner.__dict__.get(ATTRIBUTE) or {}).get(name)
+    if entry is None or not entry.built_from(params) or entry.state != state(params):
+        return None
+    return entry.value
 
 
 def fsdp_in_use() -> bool:
@@ -173,18 +186,21 @@ def discard(owner: nn.Module, name: str) -> None:
     entries = owner.__dict__.get(ATTRIBUTE)
     if entries and name in entries:
         owner.__dict__[ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
+        replay.forget()
 
 
 def _discard_entry(owner: nn.Module, name: str, entry: _Entry) -> None:
     entries = owner.__dict__.get(ATTRIBUTE)
     if entries and entries.get(name) is entry:  # (a newer entry under the same name stays)
         owner.__dict__[ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
+        replay.forget()
 
 
 def clear(module: nn.Module) -> None:
     """Drop every derived tensor cached in ``module`` and its submodules (they are rebuilt on the next forward)."""
     for m in module.modules():
         m.__dict__.pop(ATTRIBUTE, None)
+    replay.forget()
 
 
 # --- optimizer steps: make fused optimizers' writes visible ------------------------------------------------------

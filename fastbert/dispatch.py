@@ -18,8 +18,8 @@ keeps each decision, a named backend with its call, while nothing it read has ch
 
 Settings: ``FASTBERT_BACKEND=auto|torch|triton`` (``torch`` runs every op's ``torch`` backend; ``triton`` prefers the
 ``triton`` backend wherever an op has one and it can run), ``FASTBERT_CPU_GEMM=auto|onednn|torch`` and
-``FASTBERT_CPU_INT8=auto|on|off`` (read by the GEMM backends). The environment is read once, at the first forward
-(``reload_settings()`` reads it again). A skipped faster backend is warned once, with its reasons, unless every reason
+``FASTBERT_CPU_INT8=auto|on|off`` (read by the GEMM backends), ``FASTBERT_CPU_REPLAY=auto|off`` (``replay.py``). The
+environment is read once, at the first forward (``reload_settings()`` reads it again). A skipped faster backend is warned once, with its reasons, unless every reason
 is a ``MeasuredChoice`` (this machine measured the other faster) or ``ByDesign`` (Triton on a CPU, where torch's ops
 are the fast path); every reason met reaches ``fastbert.info()``.
 """
@@ -32,11 +32,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import announce
+from . import announce, replay
 
 ENV_BACKEND = "FASTBERT_BACKEND"
 ENV_CPU_GEMM = "FASTBERT_CPU_GEMM"
 ENV_CPU_INT8 = "FASTBERT_CPU_INT8"
+ENV_CPU_REPLAY = "FASTBERT_CPU_REPLAY"
 
 
 # --- settings ---------------------------------------------------------------------------------------------------------
@@ -48,6 +49,7 @@ class Settings:
     cpu_gemm: str  # FASTBERT_CPU_GEMM: auto, onednn or torch
     cpu_int8: str  # FASTBERT_CPU_INT8: auto (quantized GEMMs in int8 where measured faster), on, or off (float32)
     interpreter: bool  # TRITON_INTERPRET set: Triton may run CPU tensors (through its interpreter)
+    cpu_replay: str  # FASTBERT_CPU_REPLAY: auto (replay.py) or off
 
 
 _settings: Settings | None = None
@@ -69,13 +71,14 @@ def settings() -> Settings:
             cpu_gemm=_read(ENV_CPU_GEMM, ("auto", "onednn", "torch")),
             cpu_int8=_read(ENV_CPU_INT8, ("auto", "on", "off")),
             interpreter=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+            cpu_replay=_read(ENV_CPU_REPLAY, ("auto", "off")),
         )
     return _settings
 
 
 def reload_settings() -> None:
     """Have the next forward read the environment again (after changing ``FASTBERT_BACKEND``, ``FASTBERT_CPU_GEMM``,
-    ``FASTBERT_CPU_INT8`` or ``TRITON_INTERPRET`` at run time). CUDA graphs captured before keep what they captured."""
+    ``FASTBERT_CPU_INT8``, ``FASTBERT_CPU_REPLAY`` or ``TRITON_INTERPRET`` at run time). CUDA graphs captured before keep what they captured."""
     global _settings
     _settings = None
 
@@ -174,6 +177,7 @@ class Decision:
     def __call__(self, *tensors):
         if self.warning is not None:
             announce.fallback(self.warning)  # (warned once, counted each call)
+        replay.decided(self.op, self.backend.name, self.warning)
         return self.backend.run(self.call, *tensors)
 
 

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, cpu, dispatch, int8, int8_decisions, models, threads, validation
+from . import __version__, _extension, announce, cpu, dispatch, int8, int8_decisions, models, replay, threads, validation
 from .ops import attention_cpu, attention_int8
 from .optimize import reports as optimize_reports
 
@@ -72,6 +72,9 @@ def info() -> dict:
         "int8": {**int8.report(),
                  "attention_unavailable": int8.unavailable_reasons() + attention_int8.unavailable_reasons(),
                  "models": int8_decisions.reports()},
+        # CPU replay (replay.py): FASTBERT_CPU_REPLAY, the encoder forwards captured and replayed in this process, and
+        # why captures were dropped (those shapes run op by op).
+        "replay": {"requested": dispatch.settings().cpu_replay, **replay.report()},
         "backends": backends,
         "reasons": reasons,
         # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,
@@ -123,6 +126,10 @@ def summary(report: dict) -> str:
     unavailable = int8_report["attention_unavailable"]
     lines.append("  its attention in int8 (where the guard passes): "
                  + (f"does not run here ({'; '.join(unavailable)})" if unavailable else "runs here"))
+    replayed = report["replay"]
+    lines.append(f"CPU replay (FASTBERT_CPU_REPLAY={replayed['requested']}): {replayed['captured']} encoder forwards "
+                 f"captured, {replayed['replayed']} replayed" + "".join(
+                     f"; dropped: {why} (x{n})" for why, n in replayed["dropped"].items()))
     for title, key in (("fallbacks so far", "fallbacks"), ("notes so far", "notes")):
         if report[key]:
             lines.append(f"{title}:")

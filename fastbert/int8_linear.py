@@ -27,7 +27,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import _extension, int8_handoff
+from . import _extension, int8_handoff, replay
 from .cpu_gemm import EPILOGUES
 from .kernels.activation import activation_ref
 
@@ -141,6 +141,7 @@ def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None,
     return out, scale, zero_point
 
 
+@replay.step
 def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None = None,
                     isa: str = ""):
     """x [tokens, in] float32 -> u8 [tokens, in] with the given scale and zero point (no range taken), in one pass
@@ -285,29 +286,63 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
         if per_token or residual is not None:
             raise ValueError("a u8 output takes an input quantized per call or statically, and no residual")
     if per_token:
-        q, scales = quantize_activation_per_token(x, weight.smooth)
-        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, weight.packed, weight.scales, weight.zero_points, None,
-                                               1.0, 0, torch.float32, "none", [], "").mul_(scales)
-        y = y if bias is None else y.add_(bias)
-        y = y if residual is None else y.add_(residual)
-        return y if activation is None else activation_ref(y, activation)
+        return _per_token(x, weight, bias, activation, residual)
     if x.dtype == torch.uint8:
-        (scale, zero_point), q = static, x.contiguous()
-    elif static is not None:
-        # (the u8 the op producing x wrote in the same pass, where it did: int8_handoff.py)
-        scale, zero_point = static
-        q = int8_handoff.take(x, scale, zero_point, weight.smooth)
-        q = quantize_static(x, scale, zero_point, weight.smooth) if q is None else q
-    else:
-        q, scale, zero_point = quantize_activation(x, x.shape[0] if rows is None else rows, weight.smooth)
+        return _linear_u8(x.contiguous(), *static, weight, bias, activation, residual, output)
+    if static is None:
+        return _per_call(x, x.shape[0] if rows is None else rows, weight, bias, activation, residual, output)
+    # (the u8 the op producing x wrote in the same pass, where it did: int8_handoff.py)
+    scale, zero_point = static
+    q = int8_handoff.take(x, scale, zero_point, weight.smooth)
+    q = quantize_static(x, scale, zero_point, weight.smooth) if q is None else q
+    return _linear_u8(q, scale, zero_point, weight, bias, activation, residual, output)
+
+
+def _linear_u8(q: torch.Tensor, scale: float, zero_point: int, weight: QuantizedWeight, bias: torch.Tensor | None,
+               activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
+    """The GEMM of the u8 q (with its scale and zero point) and its epilogue: the bias and the activation, or the
+    residual; the result float32, or u8 with ``output``."""
     if residual is not None:
-        return torch.ops.onednn.qlinear_pointwise.binary(
+        return _gemm_residual(
             q, scale, zero_point, weight.packed, weight.scales, weight.zero_points, residual.contiguous(), bias,
             1.0, 0, torch.float32, 1.0, 0, "add", 1.0, "none", [], "")
     attr, algorithm = EPILOGUES[activation] if activation is not None else ("none", "")
     out_scale, out_zero_point, out_dtype = (1.0, 0, torch.float32) if output is None else (*output, torch.uint8)
-    return torch.ops.onednn.qlinear_pointwise(q, scale, zero_point, weight.packed, weight.scales, weight.zero_points,
-                                              bias, out_scale, out_zero_point, out_dtype, attr, [], algorithm)
+    return _gemm(q, scale, zero_point, weight.packed, weight.scales, weight.zero_points, bias, out_scale, out_zero_point,
+                 out_dtype, attr, [], algorithm)
+
+
+@replay.step
+def _per_call(x: torch.Tensor, rows: int | torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+              activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
+    """x quantized with the range of its ``rows``, then ``_linear_u8`` (one step of a CPU replay: the scale is the
+    data's)."""
+    q, scale, zero_point = quantize_activation(x, rows, weight.smooth)
+    return _linear_u8(q, scale, zero_point, weight, bias, activation, residual, output)
+
+
+@replay.step
+def _per_token(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation: str | None,
+               residual: torch.Tensor | None) -> torch.Tensor:
+    """x quantized with one scale per token, the GEMM, then its bias, residual and activation (one step)."""
+    q, scales = quantize_activation_per_token(x, weight.smooth)
+    y = _gemm(q, 1.0, 128, weight.packed, weight.scales, weight.zero_points, None, 1.0, 0, torch.float32, "none", [],
+              "").mul_(scales)
+    y = y if bias is None else y.add_(bias)
+    y = y if residual is None else y.add_(residual)
+    return y if activation is None else activation_ref(y, activation)
+
+
+@replay.step
+def _gemm(*args) -> torch.Tensor:
+    """oneDNN's int8 linear, ``torch.ops.onednn.qlinear_pointwise`` (a step of a CPU replay)."""
+    return torch.ops.onednn.qlinear_pointwise(*args)
+
+
+@replay.step
+def _gemm_residual(*args) -> torch.Tensor:
+    """The same with a residual added in its epilogue, ``qlinear_pointwise.binary``."""
+    return torch.ops.onednn.qlinear_pointwise.binary(*args)
 
 
 def unavailable_reasons() -> list[str]:

@@ -23,7 +23,7 @@ derived from them: rotary tables, a relative bias).
 import torch
 from torch import nn
 
-from . import derived, int8, padding, plain, plan
+from . import derived, int8, padding, plain, plan, replay
 from .ops import activation, embedding, gemm, mlp, norm
 from .ops.attention import attention
 from .positions import Positions
@@ -131,13 +131,20 @@ def run_layers(owner: nn.Module, layers, x: torch.Tensor, layout: padding.TokenL
     layer, None where not kept. A kept state is the tensor the layer reads (through a view or a gather), so gradients
     reach it as in HF.
     """
+    if keep is None:  # (where this plan has met the shape before, the layers' native steps alone: replay.py)
+        return replay.encode(owner, x, layout, lambda x: _each_layer(owner, layers, x, layout, positions)), []
     states = []
     for i, layer in enumerate(layers):
-        if keep is not None:
-            states.append(padding.unpack(x, layout) if i in keep else None)  # [B, S, hidden]
-            x = x if states[-1] is None else padding.pack(states[-1], layout)
+        states.append(padding.unpack(x, layout) if i in keep else None)  # [B, S, hidden]
+        x = x if states[-1] is None else padding.pack(states[-1], layout)
         x = _checkpointed(owner, layer)(x, layout, positions)
     return x, states
+
+
+def _each_layer(owner: nn.Module, layers, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions):
+    for layer in layers:
+        x = _checkpointed(owner, layer)(x, layout, positions)
+    return x
 
 
 def _checkpointed(encoder, layer):

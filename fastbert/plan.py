@@ -45,6 +45,7 @@ class Plan:
     def __init__(self, key: tuple):
         self.key = key
         self.decisions: dict[tuple[int, str], object] = {}
+        self.replays: dict[tuple, object] = {}  # (encoder id, shape) -> replay.py's program or count of that shape
 
     def __deepcopy__(self, memo):
         return None
@@ -107,6 +108,11 @@ def structure(model) -> tuple:
         if children:
             stack.extend([c for c in children if c is not None])
     return tuple(entries)
+
+
+def current() -> Plan | None:
+    """The plan of the forward running in this thread, or None."""
+    return getattr(_active, "plan", None)
 
 
 class active:

