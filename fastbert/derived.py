@@ -168,6 +168,19 @@ def current(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...]):
     return entry.value
 
 
+def joint_state(used: tuple[tuple, ...]) -> tuple | None:
+    """For values that ``cached`` returned, each as (owner, name, params, value): the ``state`` of all their
+    parameters in one pass, or None where one is no longer the value cached under its name (rebuilt or dropped).
+    Taken while each is current (``current``), an equal joint state later means they all still are."""
+    params = []
+    for owner, name, built_from, value in used:
+        entry = (owner.__dict__.get(ATTRIBUTE) or {}).get(name)
+        if entry is None or entry.value is not value or not entry.built_from(built_from):
+            return None
+        params += built_from
+    return state(tuple(params))
+
+
 def fsdp_in_use() -> bool:
     """Whether FSDP2 shards modules in this process (then nothing is cached, said once; see the module's notes)."""
     if not _composable_modules:

@@ -233,24 +233,32 @@ class _Glue(TorchFunctionMode):
 class _Program:
     """A captured encoder forward: its steps, where its output is, and the derived weights it read."""
 
-    __slots__ = ("steps", "output", "derived", "size", "handoff")
+    __slots__ = ("steps", "output", "derived", "derived_state", "size", "handoff")
 
     def __init__(self, capture: _Capture, output: tuple):
+        from . import derived
+
         # each step with the slots to let go after it (the last step that reads them), so a replay holds no more
         # activations at once than the forward it replays
         released: list[list[int]] = [[] for _ in capture.steps]
         for slot, step_index in enumerate(capture.last_use):
             if step_index < len(capture.steps):
                 released[max(step_index, _producer(capture.steps, slot))].append(slot)
-        self.steps = tuple((*s, tuple(r)) for s, r in zip(capture.steps, released))
-        self.output, self.size, self.derived = output, len(capture.geometry), tuple(capture.derived)
-        self.handoff = capture.handoff
+        self.steps = tuple((fn, *_template(refs), *_template(kwrefs), outputs, many, tuple(r))
+                           for (fn, refs, kwrefs, outputs, many), r in zip(capture.steps, released))
+        self.output, self.size, self.handoff = output, len(capture.geometry), capture.handoff
+        self.derived = tuple(capture.derived)
+        # (taken before each value is checked to be current: a write in between fails the check or moves the state)
+        self.derived_state = derived.joint_state(self.derived)
+        if self.derived_state is not None and not all(
+                derived.current(owner, name, params) is value for owner, name, params, value in self.derived):
+            self.derived_state = None
 
     def current(self) -> bool:
         """Whether every derived weight it read is still the one ``derived.cached`` would give now."""
         from . import derived
 
-        return all(derived.current(owner, name, params) is value for owner, name, params, value in self.derived)
+        return self.derived_state is not None and derived.joint_state(self.derived) == self.derived_state
 
     def run(self, x: torch.Tensor) -> torch.Tensor | None:
         """The encoder's output for input x, or None where the op before the encoder offered no u8 of x as at the
@@ -263,14 +271,31 @@ class _Program:
             values[1] = int8_handoff.take(x, *self.handoff)
             if values[1] is None:
                 return None
-        for fn, refs, kwrefs, outputs, many, released in self.steps:
-            result = fn(*[_value(values, r) for r in refs], **{name: _value(values, r) for name, r in kwrefs.items()})
+        for fn, args, slotted, kwargs, kwslotted, outputs, many, released in self.steps:
+            if slotted:
+                args = list(args)
+                for i, ref in slotted:
+                    args[i] = _value(values, ref)
+            if kwslotted:
+                kwargs = dict(kwargs)
+                for name, ref in kwslotted:
+                    kwargs[name] = _value(values, ref)
+            result = fn(*args, **kwargs)
             for slot, out in zip(outputs, result if many else (result,)):
                 if slot is not None:
                     values[slot] = out
             for slot in released:
                 values[slot] = None
         return _value(values, self.output)
+
+
+def _template(refs):
+    """Recorded arguments (a tuple or a dict of refs) -> (the constants in place, the rest as (position, ref))."""
+    items = refs.items() if isinstance(refs, dict) else enumerate(refs)
+    slotted = tuple((at, ref) for at, ref in items if ref[0] != _CONST)
+    if isinstance(refs, dict):
+        return {name: ref[1] if ref[0] == _CONST else None for name, ref in refs.items()}, slotted
+    return tuple(ref[1] if ref[0] == _CONST else None for ref in refs), slotted
 
 
 def _producer(steps: list[tuple], slot: int) -> int:
