@@ -308,8 +308,8 @@ def _linear_u8(q: torch.Tensor, scale: float, zero_point: int, weight: Quantized
             1.0, 0, torch.float32, 1.0, 0, "add", 1.0, "none", [], "")
     attr, algorithm = EPILOGUES[activation] if activation is not None else ("none", "")
     out_scale, out_zero_point, out_dtype = (1.0, 0, torch.float32) if output is None else (*output, torch.uint8)
-    return _gemm(q, scale, zero_point, weight.packed, weight.scales, weight.zero_points, bias, out_scale, out_zero_point,
-                 out_dtype, attr, [], algorithm)
+    return _gemm(q, scale, zero_point, weight.packed, weight.scales, weight.zero_points, bias, out_scale,
+                 out_zero_point, out_dtype, attr, [], algorithm)
 
 
 @replay.step

@@ -132,7 +132,7 @@ def run_layers(owner: nn.Module, layers, x: torch.Tensor, layout: padding.TokenL
     reach it as in HF.
     """
     if keep is None:  # (where this plan has met the shape before, the layers' native steps alone: replay.py)
-        return replay.encode(owner, x, layout, lambda x: _each_layer(owner, layers, x, layout, positions)), []
+        return replay.encode(owner, layers, x, layout, lambda x: _each_layer(owner, layers, x, layout, positions)), []
     states = []
     for i, layer in enumerate(layers):
         states.append(padding.unpack(x, layout) if i in keep else None)  # [B, S, hidden]

@@ -7,24 +7,28 @@ Once a plan (``plan.py``) has run a shape, that Python has nothing left to decid
 recorded once as the list of its *steps*, and the next forwards of that plan and shape call the steps alone.
 
 - **Steps** are the functions marked ``@step``: each calls native code on the tensors it is given and returns new
-  ones (``int8_linear``'s GEMM calls and quantizer, ``norm.layer_norm_cpu``, ``attention_int8``'s launch). While a
+  ones (``int8_linear``'s GEMM calls and quantizers, ``norm.layer_norm_cpu``, ``attention_int8``'s launch). While a
   forward is captured, a step's arguments are recorded as what they are: the encoder's input, an earlier step's
-  output (or a view of it), a parameter or buffer of the encoder (read again at each replay, so in-place writes are
-  seen), a derived weight (``derived.py``), an int8 choice's tensor, or a Python value.
-- **What is captured**: the encoder's forward (``layers.run_layers``) of an inference forward on the CPU, under a
+  output or a view of its memory, a parameter or buffer of the encoder (held weakly, read again at each replay), a
+  derived weight (``derived.py``), an int8 choice's tensor, or a Python value.
+- **What is captured**: the layers' forward (``layers.run_layers``) of an inference forward on the CPU, under a
   plan, the second time the plan meets the shape (the first teaches the int8 handoffs their targets). The capture
   is dropped, and that shape runs op by op from then on, if any op ran a backend that is not made of steps, if a
-  decision warned of a fallback, if any torch computation ran outside a step (a ``TorchFunctionMode`` watches the
-  glue), or if a step read a tensor of unknown origin.
+  decision warned of a fallback, if a torch call between steps computed or copied (a ``TorchFunctionMode`` watches
+  the glue), or if a step read a tensor of unknown origin.
 - **What is checked before each replay**: the plan is the forward's (anything a decision read, unchanged: hooks,
   modules, settings, grad mode, ``.to()``), the shape is the one recorded (batch, length, or the packed sequences'
-  lengths, and the spare rows), and every derived weight the capture used is still the current one (parameters
-  written in place, swapped or moved rebuild them: the replay is dropped and the forward runs op by op).
+  lengths, and the spare rows), the module attributes the glue reads (``_READ_ATTRIBUTES``) hold what they did, and
+  every derived weight the capture used is still the current one (parameters written in place, re-pointed or freed
+  rebuild or drop them). Otherwise that forward runs op by op and is captured again. A derived weight rebuilt or
+  dropped anywhere drops every program, so none keeps an old one alive.
 - **Not replayed**: forwards with gradients, ``output_hidden_states``, a padded dense batch (its rows are data),
   the guard's recording forwards, and every forward that is not planned (torch.compile, export, torch.func).
 
-The outputs are the op-by-op forward's, bit for bit: the same native calls on the same values. ``FASTBERT_CPU_REPLAY
-=off`` turns it off; ``fastbert.info()["replay"]`` counts captures, replays and why captures were dropped.
+The outputs are the op-by-op forward's, bit for bit: the same native calls on the same values. A replay holds no
+more activations at once than the forward: each step's outputs are let go after the last step that reads them.
+``FASTBERT_CPU_REPLAY=off`` turns it off; ``fastbert.info()["replay"]`` counts captures, replays and why captures
+were dropped.
 """
 
 import functools
@@ -42,6 +46,8 @@ STEP_BACKENDS = frozenset({("gemm", "int8"), ("attention", "cpu-int8"), ("layer_
                            ("mlp", "torch"), ("bias_act", "torch")})
 CAPTURE_AT = 2  # the forward of a plan and shape that is captured (the first teaches the int8 handoffs)
 MAX_SHAPES = 16  # shapes a plan keeps (met or captured); past it, new shapes run op by op
+# module attributes that the glue reads and passes to steps as numbers (a LayerNorm's eps, attention head counts)
+_READ_ATTRIBUTES = ("eps", "variance_epsilon", "num_attention_heads", "n_heads")
 # torch calls of the glue between steps that compute nothing (shapes, views, pointers)
 _GLUE = frozenset({
     "view", "__getitem__", "size", "dim", "is_contiguous", "contiguous", "detach", "data_ptr", "__get__", "stride",
@@ -96,24 +102,17 @@ def derived_used(owner, name: str, params: tuple, value) -> None:
     """A derived weight was read (``derived.cached``): a replay checks first that it is still the current one."""
     capture = getattr(_thread, "capture", None)
     if capture is not None:
-        capture.derived.append((owner, name, params, value))
+        capture.derived.append((owner, name, tuple(weakref.ref(p) for p in params), value))
         capture.known.update(id(t) for t in _tensors_of(value))
-
-
-def taken(x: torch.Tensor, q: torch.Tensor, target) -> None:
-    """An int8 GEMM took the u8 ``q`` of its input ``x`` from the op that made x (``int8_handoff.take``). Where x is
-    the encoder's input, the op before the encoder made q: a replay takes it again, from that op's offer."""
-    capture = getattr(_thread, "capture", None)
-    if capture is not None and capture.handoff is None and not capture.steps and len(capture.geometry) == 1 \
-            and capture.storages.get(x.untyped_storage().data_ptr()) == 0:
-        capture.handoff = target
-        capture._add(q)
 
 
 def forget() -> None:
     """Drop every program (a derived weight was replaced or dropped: none may keep the old one alive). Their shapes
     are captured again on their next forward."""
-    for plan in list(_holding):
+    for ref in list(_holding.data):  # (copied in one step: another thread may add a plan meanwhile)
+        plan = ref()
+        if plan is None:
+            continue
         for key, entry in list(plan.replays.items()):
             if isinstance(entry, _Program):
                 plan.replays[key] = CAPTURE_AT - 1
@@ -141,31 +140,38 @@ def _count(what: str) -> None:
 
 # --- capture ------------------------------------------------------------------------------------------------------
 
-_CONST, _SLOT, _VIEW = 0, 1, 2  # how a step argument is found at replay: as recorded, a slot, a view of a slot
+# how a step argument is found at replay: as recorded, a slot, a view of a slot's memory, a parameter (held weakly:
+# a program must not keep a replaced parameter alive, and reads it again each time)
+_CONST, _SLOT, _VIEW, _PARAM = 0, 1, 2, 3
 
 
 class _Capture:
     """One encoder forward being recorded: its steps, the slots their outputs fill, the derived weights read."""
 
     def __init__(self, owner: torch.nn.Module, x: torch.Tensor):
+        from . import int8  # (which imports the modules whose functions are steps)
+
         self.inside = 0  # > 0 while a step runs (its own torch calls are not glue)
         self.failure: str | None = None
         self.steps: list[tuple] = []
-        self.derived: list[tuple] = []
-        self.handoff = None  # the Target of the encoder input's u8, taken from the op before the encoder, or None
+        self.derived: list[tuple] = []  # (owner, name, weak references to the parameters, value) of derived weights
         # The tensors the steps made, found by their memory: its address -> the slot whose tensor took it last (a
         # view reads the same memory; a tensor that died leaves its address to the next step's output)
         self.storages: dict[int, int] = {}
-        self.geometry: list[tuple] = []  # slot -> (storage offset, shape, stride) of its tensor
+        self.geometry: list[tuple] = []  # slot -> (storage offset, shape, stride, dtype) of its tensor
         self.last_use: list[int] = []  # slot -> the last step that reads it (-1: none)
         self._add(x)
-        from . import int8  # (which imports the modules whose functions are steps)
-
-        self.known = {id(t) for t in (*owner.parameters(), *owner.buffers())}
+        self.parameters = {id(t): t for t in (*owner.parameters(), *owner.buffers())}
+        self.params: list[weakref.ref] = []  # the parameters steps read, in order of first use
+        self.param_index: dict[int, int] = {}
+        self.known: set[int] = set()  # ids of the tensors of derived weights and int8 choices (held as they are)
         for module in owner.modules():  # (an int8 choice's divisors: changing a choice drops every plan)
             choice = int8.chosen(module)
             if choice is not None and choice.smooth is not None:
                 self.known.add(id(choice.smooth))
+        # Python attributes the glue reads and passes to steps (changing one drops no plan): compared before a replay
+        self.attributes = tuple((module, name, module.__dict__[name]) for module in owner.modules()
+                                for name in _READ_ATTRIBUTES if name in module.__dict__)
 
     def fail(self, why: str) -> None:
         if self.failure is None:
@@ -192,7 +198,7 @@ class _Capture:
             return None
         slot = len(self.geometry)
         self.storages[out.untyped_storage().data_ptr()] = slot
-        self.geometry.append((out.storage_offset(), tuple(out.shape), tuple(out.stride())))
+        self.geometry.append((out.storage_offset(), tuple(out.shape), tuple(out.stride()), out.dtype))
         self.last_use.append(-1)
         return slot
 
@@ -203,12 +209,19 @@ class _Capture:
             return _CONST, value
         if not isinstance(value, torch.Tensor) or id(value) in self.known:
             return _CONST, value
+        if id(value) in self.parameters:
+            if id(value) not in self.param_index:
+                self.param_index[id(value)] = len(self.params)
+                self.params.append(weakref.ref(value))
+            return _PARAM, self.param_index[id(value)]
         slot = None if value.is_mkldnn else self.storages.get(value.untyped_storage().data_ptr())
         if slot is None:
             self.fail("a step read a tensor made outside the steps")
             return _CONST, value
         self.last_use[slot] = len(self.steps)
-        offset, shape, stride = self.geometry[slot]
+        offset, shape, stride, dtype = self.geometry[slot]
+        if value.dtype != dtype:
+            self.fail("a step read a tensor's memory as another dtype")
         if (value.storage_offset(), tuple(value.shape), tuple(value.stride())) == (offset, shape, stride):
             return _SLOT, slot
         return _VIEW, slot, value.storage_offset() - offset, tuple(value.shape), tuple(value.stride())
@@ -222,9 +235,21 @@ class _Glue(TorchFunctionMode):
         self.capture = capture
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.capture.inside and getattr(func, "__name__", None) not in _GLUE:
-            self.capture.fail(f"torch's {getattr(func, '__name__', func)} ran between steps")
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if not self.capture.inside:
+            if getattr(func, "__name__", None) not in _GLUE:
+                self.capture.fail(f"torch's {getattr(func, '__name__', func)} ran between steps")
+            elif isinstance(result, torch.Tensor) and result.numel() and not result.is_mkldnn and \
+                    result.untyped_storage().data_ptr() not in _storages(args, kwargs):
+                # (``contiguous`` of a strided tensor, an index that gathers: a copy, which a replay would not make)
+                self.capture.fail(f"torch's {func.__name__} copied between steps")
+        return result
+
+
+def _storages(args: tuple, kwargs: dict) -> set[int]:
+    return {a.untyped_storage().data_ptr() for a in (*args, *kwargs.values())
+            if isinstance(a, torch.Tensor) and not a.is_mkldnn}
 
 
 # --- programs -----------------------------------------------------------------------------------------------------
@@ -233,7 +258,7 @@ class _Glue(TorchFunctionMode):
 class _Program:
     """A captured encoder forward: its steps, where its output is, and the derived weights it read."""
 
-    __slots__ = ("steps", "output", "derived", "derived_state", "size", "handoff")
+    __slots__ = ("steps", "output", "derived", "derived_state", "size", "params", "attributes")
 
     def __init__(self, capture: _Capture, output: tuple):
         from . import derived
@@ -246,47 +271,59 @@ class _Program:
                 released[max(step_index, _producer(capture.steps, slot))].append(slot)
         self.steps = tuple((fn, *_template(refs), *_template(kwrefs), outputs, many, tuple(r))
                            for (fn, refs, kwrefs, outputs, many), r in zip(capture.steps, released))
-        self.output, self.size, self.handoff = output, len(capture.geometry), capture.handoff
-        self.derived = tuple(capture.derived)
+        self.output, self.size, self.params = output, len(capture.geometry), tuple(capture.params)
+        self.derived, self.attributes = tuple(capture.derived), capture.attributes
         # (taken before each value is checked to be current: a write in between fails the check or moves the state)
-        self.derived_state = derived.joint_state(self.derived)
-        if self.derived_state is not None and not all(
-                derived.current(owner, name, params) is value for owner, name, params, value in self.derived):
+        used = self._derived_now()
+        self.derived_state = None if used is None else derived.joint_state(used)
+        if used is None or not all(derived.current(*record[:3]) is record[3] for record in used):
             self.derived_state = None
 
+    def _derived_now(self) -> list[tuple] | None:
+        """The derived weights' records with their parameters, or None where one of those was freed."""
+        used = []
+        for owner, name, refs, value in self.derived:
+            params = tuple(ref() for ref in refs)
+            if any(p is None for p in params):
+                return None
+            used.append((owner, name, params, value))
+        return used
+
     def current(self) -> bool:
-        """Whether every derived weight it read is still the one ``derived.cached`` would give now."""
+        """Whether every derived weight it read is still the one ``derived.cached`` would give now, and the
+        attributes the glue read still hold what they did."""
         from . import derived
 
-        return self.derived_state is not None and derived.joint_state(self.derived) == self.derived_state
+        if self.derived_state is None or any(module.__dict__.get(name) != value
+                                             for module, name, value in self.attributes):
+            return False
+        used = self._derived_now()
+        return used is not None and derived.joint_state(used) == self.derived_state
 
     def run(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The encoder's output for input x, or None where the op before the encoder offered no u8 of x as at the
-        capture (then the forward runs op by op)."""
+        """The encoder's output for input x, or None where a parameter it reads was freed since (then the forward
+        runs op by op)."""
+        params = [ref() for ref in self.params]  # (read again: in-place writes are the forward's to see)
+        if any(p is None for p in params):
+            return None
         values = [None] * self.size
         values[0] = x
-        if self.handoff is not None:
-            from . import int8_handoff
-
-            values[1] = int8_handoff.take(x, *self.handoff)
-            if values[1] is None:
-                return None
         for fn, args, slotted, kwargs, kwslotted, outputs, many, released in self.steps:
             if slotted:
                 args = list(args)
                 for i, ref in slotted:
-                    args[i] = _value(values, ref)
+                    args[i] = _value(values, params, ref)
             if kwslotted:
                 kwargs = dict(kwargs)
                 for name, ref in kwslotted:
-                    kwargs[name] = _value(values, ref)
+                    kwargs[name] = _value(values, params, ref)
             result = fn(*args, **kwargs)
             for slot, out in zip(outputs, result if many else (result,)):
                 if slot is not None:
                     values[slot] = out
             for slot in released:
                 values[slot] = None
-        return _value(values, self.output)
+        return _value(values, params, self.output)
 
 
 def _template(refs):
@@ -303,12 +340,14 @@ def _producer(steps: list[tuple], slot: int) -> int:
     return next((i for i, step in enumerate(steps) if slot in step[3]), 0)
 
 
-def _value(values: list, ref: tuple):
+def _value(values: list, params: list, ref: tuple):
     kind = ref[0]
-    if kind == _CONST:
-        return ref[1]
     if kind == _SLOT:
         return values[ref[1]]
+    if kind == _PARAM:
+        return params[ref[1]]
+    if kind == _CONST:
+        return ref[1]
     base = values[ref[1]]
     return base.as_strided(ref[3], ref[4], base.storage_offset() + ref[2])
 
@@ -327,19 +366,19 @@ def _shape(layout, x: torch.Tensor) -> tuple | None:
     return "dense", layout.batch, layout.seq_len, layout.spare_rows, tuple(x.shape), x.dtype
 
 
-def encode(owner: torch.nn.Module, x: torch.Tensor, layout, run) -> torch.Tensor:
-    """``run(x)``, the encoder forward of ``owner`` op by op (x [rows, hidden] -> [rows, hidden]), or its replay
-    where this plan captured this shape (see the module's notes)."""
+def encode(owner: torch.nn.Module, layers, x: torch.Tensor, layout, run) -> torch.Tensor:
+    """``run(x)``, the forward of ``owner``'s ``layers`` op by op (x [rows, hidden] -> [rows, hidden]), or its replay
+    where this plan captured them at this shape (see the module's notes)."""
     from . import int8
 
     current = plans.current()
     shape = None
     if current is not None and x.device.type == "cpu" and not torch.is_grad_enabled() and not int8.is_recording() \
-            and dispatch.settings().cpu_replay != "off":
+            and dispatch.settings().cpu_replay != "off" and getattr(_thread, "capture", None) is None:
         shape = _shape(layout, x)
-    if shape is None:
+    if shape is None or not len(layers):
         return run(x)
-    key, shapes = (id(owner), shape), current.replays
+    key, shapes = (id(owner), id(layers[0]), len(layers), shape), current.replays
     entry = shapes.get(key)
     if isinstance(entry, _Program):
         out = entry.run(x) if entry.current() else None
@@ -356,7 +395,7 @@ def encode(owner: torch.nn.Module, x: torch.Tensor, layout, run) -> torch.Tensor
     return _capture(owner, x, run, current, key)
 
 
-def _capture(owner, x: torch.Tensor, run, plan: plans.Plan, key: tuple) -> torch.Tensor:
+def _capture(owner, x: torch.Tensor, run, plan: "plans.Plan", key: tuple) -> torch.Tensor:
     capture = _thread.capture = _Capture(owner, x)
     try:
         with _Glue(capture):

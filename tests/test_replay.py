@@ -1,8 +1,9 @@
 """CPU replay (fastbert/replay.py): a plan's encoder forward of a shape met before runs the native steps it recorded.
 
-Every test compares against the same model with ``FASTBERT_CPU_REPLAY=off`` (op by op), bit for bit: a replay makes
-the same native calls on the same values. The model is the real all-MiniLM-L6-v2 quantized by ``fastbert.quantize``
-(its int8 GEMMs, LayerNorms and attention are the steps).
+Every test compares against the op-by-op forward (``FASTBERT_CPU_REPLAY=off``, or the forwards before the capture),
+bit for bit: a replay makes the same native calls on the same values. The model is the real all-MiniLM-L6-v2
+quantized by ``fastbert.quantize`` (its int8 GEMMs, LayerNorms and attention are the steps), and each family's tiny
+model.
 """
 
 import threading
@@ -10,9 +11,10 @@ import threading
 import pytest
 import torch
 import transformers
+from test_families import FAMILIES, FAMILY_IDS, inputs
 
 import fastbert
-from fastbert import replay
+from fastbert import int8, replay
 from fastbert.ops import attention_int8
 
 pytestmark = pytest.mark.skipif(bool(attention_int8.unavailable_reasons()),
@@ -123,9 +125,13 @@ def test_what_is_not_replayed(model, quantized, fastbert_env):
         forward(model, inputs)
     assert counts() == (captured, replayed)
     fastbert_env(FASTBERT_CPU_REPLAY="auto")
-    with torch.enable_grad():  # (gradients: no plan is replayed)
-        for _ in range(3):
-            model(**inputs)
+    model.requires_grad_(False)  # (grad mode on, frozen weights: the int8 path runs, and is not replayed)
+    try:
+        with torch.enable_grad():
+            for _ in range(3):
+                model(**inputs)
+    finally:
+        model.requires_grad_(True)
     assert counts() == (captured, replayed)
 
 
@@ -197,3 +203,80 @@ def test_no_program_keeps_replaced_weights_alive(model, quantized):
     forward(model, batch(quantized[1], TEXTS))  # (rebuilds it; the other shape's program held the old one)
     gc.collect()
     assert old() is None
+
+
+REPLAYED_FAMILIES = ("roberta", "xlm-roberta", "camembert", "electra", "distilbert")
+
+
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_every_family(int8_on, family):
+    """BERT's family and DistilBERT, quantized, replay; the others (rotary, relative or disentangled positions) are
+    not captured. Either way every forward gives the op-by-op output (random weights, int8 attention chosen)."""
+    config = FAMILIES[family].config
+    torch.manual_seed(0)
+    hf = getattr(transformers, type(config).__name__.removesuffix("Config") + "Model")(config).eval()
+    model = fastbert.quantize(hf, guard=False)
+    for module in model.modules():
+        if getattr(module, "quantizable_attention", False):
+            int8.choose_attention(module, 64)
+    input_ids, mask = inputs(config, 3, 12)
+    captured, replayed = counts()
+    with torch.inference_mode():
+        outputs = [model(input_ids, attention_mask=mask).last_hidden_state for _ in range(4)]
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    assert counts() == ((captured + 1, replayed + 2) if family in REPLAYED_FAMILIES else (captured, replayed))
+
+
+def test_a_copy_between_steps_drops_the_capture(model, quantized, fastbert_env, monkeypatch):
+    """An allowed torch call that copies (an index that gathers) makes a tensor no step made: not replayable."""
+    from fastbert import layers
+
+    fused = layers.FusedLayer.fused
+    monkeypatch.setattr(layers.FusedLayer, "fused",
+                        lambda self, x, *rest: fused(self, x[list(range(x.shape[0]))], *rest))
+    inputs = batch(quantized[1], TEXTS)
+    captured, replayed = counts()
+    outputs = [forward(model, inputs) for _ in range(3)]
+    assert counts() == (captured, replayed)
+    assert any("copied between steps" in why for why in fastbert.info()["replay"]["dropped"])
+    assert all(torch.equal(out, op_by_op(model, inputs, fastbert_env)) for out in outputs)
+
+
+def test_replaced_parameters_are_freed(model, quantized, fastbert_env):
+    """Programs hold parameters weakly: ``load_state_dict(assign=True)`` frees the old ones at once, as without a
+    program, and the next forward runs the new ones."""
+    import gc
+    import weakref
+
+    inputs = batch(quantized[1], TEXTS)
+    for _ in range(3):
+        forward(model, inputs)
+    norm = model.encoder.layer[1].output.LayerNorm
+    old = weakref.ref(norm.weight)
+    state = {name: value.clone() * (1.5 if name.endswith("LayerNorm.weight") else 1) for name, value in
+             model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    gc.collect()
+    assert old() is None
+    assert torch.equal(forward(model, inputs), op_by_op(model, inputs, fastbert_env))
+
+
+def test_an_attribute_the_glue_reads_is_compared(model, quantized, fastbert_env):
+    """A LayerNorm's eps is a number the glue passes to a step: changed after a capture, the forward follows it."""
+    inputs = batch(quantized[1], TEXTS)
+    for _ in range(3):
+        forward(model, inputs)
+    model.encoder.layer[1].output.LayerNorm.eps = 0.5
+    try:
+        changed = forward(model, inputs)
+        assert torch.equal(changed, op_by_op(model, inputs, fastbert_env))
+    finally:
+        model.encoder.layer[1].output.LayerNorm.eps = 1e-12
+
+
+def test_its_modules_import_in_any_order():
+    import subprocess
+    import sys
+
+    for module in ("fastbert.plan", "fastbert.replay", "fastbert.derived", "fastbert.int8_linear"):
+        subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
