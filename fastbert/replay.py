@@ -9,8 +9,8 @@ recorded once as the list of its *steps*, and the next forwards of that plan and
 - **Steps** are the functions marked ``@step``: each calls native code on the tensors it is given and returns new
   ones (``int8_linear``'s GEMM calls and quantizers, ``norm.layer_norm_cpu``, ``attention_int8``'s launch). While a
   forward is captured, a step's arguments are recorded as what they are: the encoder's input, an earlier step's
-  output or a view of its memory, a parameter or buffer of the encoder (held weakly, read again at each replay), a
-  derived weight (``derived.py``), an int8 choice's tensor, or a Python value.
+  output or a view of its memory, a parameter of the encoder (held weakly, read again at each replay), a derived
+  weight (``derived.py``), an int8 choice's tensor, or a Python value.
 - **What is captured**: the layers' forward (``layers.run_layers``) of an inference forward on the CPU, under a
   plan, the second time the plan meets the shape (the first teaches the int8 handoffs their targets). The capture
   is dropped, and that shape runs op by op from then on, if any op ran a backend that is not made of steps, if a
@@ -45,7 +45,7 @@ from . import dispatch, plan as plans
 STEP_BACKENDS = frozenset({("gemm", "int8"), ("attention", "cpu-int8"), ("layer_norm", "cpu-ext"), ("mlp", "int8"),
                            ("mlp", "torch"), ("bias_act", "torch")})
 CAPTURE_AT = 2  # the forward of a plan and shape that is captured (the first teaches the int8 handoffs)
-MAX_SHAPES = 16  # shapes a plan keeps (met or captured); past it, new shapes run op by op
+MAX_SHAPES = 64  # shapes a plan keeps; past it, a new shape takes the place of the oldest met only once
 # module attributes that the glue reads and passes to steps as numbers (a LayerNorm's eps, attention head counts)
 _READ_ATTRIBUTES = ("eps", "variance_epsilon", "num_attention_heads", "n_heads")
 # torch calls of the glue between steps that compute nothing (shapes, views, pointers)
@@ -161,7 +161,8 @@ class _Capture:
         self.geometry: list[tuple] = []  # slot -> (storage offset, shape, stride, dtype) of its tensor
         self.last_use: list[int] = []  # slot -> the last step that reads it (-1: none)
         self._add(x)
-        self.parameters = {id(t): t for t in (*owner.parameters(), *owner.buffers())}
+        # (parameters, not buffers: a parameter replaced changes the plan, a buffer reassigned would not)
+        self.parameters = {id(p): p for p in owner.parameters()}
         self.params: list[weakref.ref] = []  # the parameters steps read, in order of first use
         self.param_index: dict[int, int] = {}
         self.known: set[int] = set()  # ids of the tensors of derived weights and int8 choices (held as they are)
@@ -193,11 +194,12 @@ class _Capture:
     def _add(self, out) -> int | None:
         if out is None:
             return None
-        if not isinstance(out, torch.Tensor) or out.is_mkldnn or not out.numel():
-            self.fail("a step returned something else than a tensor with elements")  # (empty ones share addresses)
+        storage = _storage(out)
+        if storage is None or not out.numel():  # (empty tensors share addresses)
+            self.fail("a step returned something else than a strided tensor with elements")
             return None
         slot = len(self.geometry)
-        self.storages[out.untyped_storage().data_ptr()] = slot
+        self.storages[storage] = slot
         self.geometry.append((out.storage_offset(), tuple(out.shape), tuple(out.stride()), out.dtype))
         self.last_use.append(-1)
         return slot
@@ -214,7 +216,7 @@ class _Capture:
                 self.param_index[id(value)] = len(self.params)
                 self.params.append(weakref.ref(value))
             return _PARAM, self.param_index[id(value)]
-        slot = None if value.is_mkldnn else self.storages.get(value.untyped_storage().data_ptr())
+        slot = self.storages.get(_storage(value))
         if slot is None:
             self.fail("a step read a tensor made outside the steps")
             return _CONST, value
@@ -240,16 +242,21 @@ class _Glue(TorchFunctionMode):
         if not self.capture.inside:
             if getattr(func, "__name__", None) not in _GLUE:
                 self.capture.fail(f"torch's {getattr(func, '__name__', func)} ran between steps")
-            elif isinstance(result, torch.Tensor) and result.numel() and not result.is_mkldnn and \
-                    result.untyped_storage().data_ptr() not in _storages(args, kwargs):
+            elif isinstance(result, torch.Tensor) and result.numel() and _storage(result) not in {
+                    _storage(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}:
                 # (``contiguous`` of a strided tensor, an index that gathers: a copy, which a replay would not make)
                 self.capture.fail(f"torch's {func.__name__} copied between steps")
         return result
 
 
-def _storages(args: tuple, kwargs: dict) -> set[int]:
-    return {a.untyped_storage().data_ptr() for a in (*args, *kwargs.values())
-            if isinstance(a, torch.Tensor) and not a.is_mkldnn}
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of a strided tensor's memory, or None (oneDNN's opaque tensors, sparse and other layouts)."""
+    if t.layout != torch.strided or t.is_mkldnn:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # (a subclass or wrapper without plain storage)
+        return None
 
 
 # --- programs -----------------------------------------------------------------------------------------------------
@@ -373,8 +380,9 @@ def encode(owner: torch.nn.Module, layers, x: torch.Tensor, layout, run) -> torc
 
     current = plans.current()
     shape = None
-    if current is not None and x.device.type == "cpu" and not torch.is_grad_enabled() and not int8.is_recording() \
-            and dispatch.settings().cpu_replay != "off" and getattr(_thread, "capture", None) is None:
+    if current is not None and type(x) is torch.Tensor and x.device.type == "cpu" and not torch.is_grad_enabled() \
+            and not int8.is_recording() and dispatch.settings().cpu_replay != "off" \
+            and getattr(_thread, "capture", None) is None:  # (plain tensors: no subclass, proxy or fake one)
         shape = _shape(layout, x)
     if shape is None or not len(layers):
         return run(x)
@@ -386,8 +394,13 @@ def encode(owner: torch.nn.Module, layers, x: torch.Tensor, layout, run) -> torc
             _count("replayed")
             return out
         entry = CAPTURE_AT - 1  # (weights written since: this forward rebuilds them and is captured again)
-    if entry is None and len(shapes) >= MAX_SHAPES or entry == _DROPPED:
+    if entry == _DROPPED:
         return run(x)
+    if entry is None and len(shapes) >= MAX_SHAPES:
+        once = next((k for k, v in list(shapes.items()) if v == 1), None)  # (oldest first: insertion order)
+        if once is None:
+            return run(x)
+        shapes.pop(once, None)
     seen = (entry or 0) + 1
     if seen < CAPTURE_AT:
         shapes[key] = seen
