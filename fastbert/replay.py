@@ -45,7 +45,7 @@ from . import dispatch, plan as plans
 STEP_BACKENDS = frozenset({("gemm", "int8"), ("attention", "cpu-int8"), ("layer_norm", "cpu-ext"), ("mlp", "int8"),
                            ("mlp", "torch"), ("bias_act", "torch")})
 CAPTURE_AT = 2  # the forward of a plan and shape that is captured (the first teaches the int8 handoffs)
-MAX_SHAPES = 64  # shapes a plan keeps; past it, a new shape takes the place of the oldest met only once
+MAX_SHAPES = 64  # shapes a plan keeps; past it, a new one replaces the oldest without a program (or the oldest)
 # module attributes that the glue reads and passes to steps as numbers (a LayerNorm's eps, attention head counts)
 _READ_ATTRIBUTES = ("eps", "variance_epsilon", "num_attention_heads", "n_heads")
 # torch calls of the glue between steps that compute nothing (shapes, views, pointers)
@@ -125,12 +125,15 @@ def report() -> dict:
 
 
 def _tensors_of(value) -> list[torch.Tensor]:
-    """The tensors a derived value holds (a tensor, a tuple of them, an object with slots such as QuantizedWeight)."""
+    """The tensors a value holds: itself, those of a tuple or list, or of an object's slots (a QuantizedWeight) or
+    attributes."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors_of(v)]
-    return [t for name in getattr(type(value), "__slots__", ()) for t in _tensors_of(getattr(value, name, None))]
+    fields = [getattr(value, name, None) for name in getattr(type(value), "__slots__", ())]
+    fields += list(getattr(value, "__dict__", {}).values()) if not isinstance(value, (type, torch.nn.Module)) else []
+    return [t for field in fields if isinstance(field, (torch.Tensor, tuple, list)) for t in _tensors_of(field)]
 
 
 def _count(what: str) -> None:
@@ -194,7 +197,7 @@ class _Capture:
     def _add(self, out) -> int | None:
         if out is None:
             return None
-        storage = _storage(out)
+        storage = _storage(out) if isinstance(out, torch.Tensor) else None
         if storage is None or not out.numel():  # (empty tensors share addresses)
             self.fail("a step returned something else than a strided tensor with elements")
             return None
@@ -205,11 +208,11 @@ class _Capture:
         return slot
 
     def _ref(self, value) -> tuple:
-        if isinstance(value, (tuple, list)):  # (ints, a handoff Target with its divisors: as recorded)
-            if any(isinstance(v, torch.Tensor) and id(v) not in self.known for v in value):
-                self.fail("a step took a sequence holding tensors of the forward")
+        if not isinstance(value, torch.Tensor):  # (ints, a handoff Target, a derived QuantizedWeight: as recorded)
+            if any(id(t) not in self.known for t in _tensors_of(value)):
+                self.fail("a step took an object holding tensors of the forward")
             return _CONST, value
-        if not isinstance(value, torch.Tensor) or id(value) in self.known:
+        if id(value) in self.known:
             return _CONST, value
         if id(value) in self.parameters:
             if id(value) not in self.param_index:
@@ -396,11 +399,9 @@ def encode(owner: torch.nn.Module, layers, x: torch.Tensor, layout, run) -> torc
         entry = CAPTURE_AT - 1  # (weights written since: this forward rebuilds them and is captured again)
     if entry == _DROPPED:
         return run(x)
-    if entry is None and len(shapes) >= MAX_SHAPES:
-        once = next((k for k, v in list(shapes.items()) if v == 1), None)  # (oldest first: insertion order)
-        if once is None:
-            return run(x)
-        shapes.pop(once, None)
+    if entry is None and len(shapes) >= MAX_SHAPES:  # (the oldest shape that holds no program goes, else the oldest)
+        met = list(shapes)
+        shapes.pop(next((k for k in met if not isinstance(shapes.get(k), _Program)), met[0]), None)
     seen = (entry or 0) + 1
     if seen < CAPTURE_AT:
         shapes[key] = seen
@@ -417,14 +418,18 @@ def _capture(owner, x: torch.Tensor, run, plan: "plans.Plan", key: tuple) -> tor
         _thread.capture = None
     output = capture._ref(out)
     program = _Program(capture, output) if capture.failure is None else None
-    if program is not None and not program.current():
-        capture.fail("its derived weights are rebuilt on every call")
+    if program is not None and not program.current():  # (another thread rebuilt a derived weight meanwhile)
+        plan.replays[key] = CAPTURE_AT - 1
+        return out
     if capture.failure is not None:
         plan.replays[key] = _DROPPED
         with _lock:
             _dropped[capture.failure] = _dropped.get(capture.failure, 0) + 1
-    else:
-        plan.replays[key] = program
-        _holding.add(plan)
-        _count("captured")
+        return out
+    plan.replays[key] = program
+    _holding.add(plan)
+    if not program.current():  # (a derived weight replaced since the check: forget() may have run before the store)
+        plan.replays[key] = CAPTURE_AT - 1
+        return out
+    _count("captured")
     return out

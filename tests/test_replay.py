@@ -280,3 +280,19 @@ def test_its_modules_import_in_any_order():
 
     for module in ("fastbert.plan", "fastbert.replay", "fastbert.derived", "fastbert.int8_linear"):
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
+
+
+def test_new_shapes_take_the_place_of_old_ones(model, quantized, monkeypatch):
+    """Past ``MAX_SHAPES`` a new shape replaces the oldest without a program, dropped ones included (here: longer
+    than the int8 attention was chosen for, so not made of steps)."""
+    monkeypatch.setattr(replay, "MAX_SHAPES", 2)
+    for module in model.modules():
+        if getattr(module, "quantizable_attention", False):
+            int8.choose_attention(module, 10)
+    for texts in (TEXTS[:1], TEXTS[:2]):  # (15 tokens: run in float32 attention, dropped when captured)
+        for _ in range(2):
+            forward(model, batch(quantized[1], texts))
+    captured, replayed = counts()
+    short = batch(quantized[1], TEXTS[2:])
+    outputs = [forward(model, short) for _ in range(3)]
+    assert counts() == (captured + 1, replayed + 1) and torch.equal(outputs[2], outputs[0])
