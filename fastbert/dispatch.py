@@ -19,9 +19,9 @@ keeps each decision, a named backend with its call, while nothing it read has ch
 Settings: ``FASTBERT_BACKEND=auto|torch|triton`` (``torch`` runs every op's ``torch`` backend; ``triton`` prefers the
 ``triton`` backend wherever an op has one and it can run), ``FASTBERT_CPU_GEMM=auto|onednn|torch`` and
 ``FASTBERT_CPU_INT8=auto|on|off`` (read by the GEMM backends), ``FASTBERT_CPU_REPLAY=auto|off`` (``replay.py``). The
-environment is read once, at the first forward (``reload_settings()`` reads it again). A skipped faster backend is warned once, with its reasons, unless every reason
-is a ``MeasuredChoice`` (this machine measured the other faster) or ``ByDesign`` (Triton on a CPU, where torch's ops
-are the fast path); every reason met reaches ``fastbert.info()``.
+environment is read once, at the first forward (``reload_settings()`` reads it again). A skipped faster backend is
+warned once, with its reasons, unless every reason is a ``MeasuredChoice`` (this machine measured the other faster) or
+``ByDesign`` (Triton on a CPU, where torch's ops are the fast path); every reason met reaches ``fastbert.info()``.
 """
 
 import dataclasses
@@ -78,7 +78,8 @@ def settings() -> Settings:
 
 def reload_settings() -> None:
     """Have the next forward read the environment again (after changing ``FASTBERT_BACKEND``, ``FASTBERT_CPU_GEMM``,
-    ``FASTBERT_CPU_INT8``, ``FASTBERT_CPU_REPLAY`` or ``TRITON_INTERPRET`` at run time). CUDA graphs captured before keep what they captured."""
+    ``FASTBERT_CPU_INT8``, ``FASTBERT_CPU_REPLAY`` or ``TRITON_INTERPRET`` at run time). CUDA graphs captured before
+    keep what they captured."""
     global _settings
     _settings = None
 

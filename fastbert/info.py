@@ -12,7 +12,8 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, cpu, dispatch, int8, int8_decisions, models, replay, threads, validation
+from . import (__version__, _extension, announce, cpu, dispatch, int8, int8_decisions, models, replay, threads,
+               validation)
 from .ops import attention_cpu, attention_int8
 from .optimize import reports as optimize_reports
 

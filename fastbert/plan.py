@@ -45,7 +45,7 @@ class Plan:
     def __init__(self, key: tuple):
         self.key = key
         self.decisions: dict[tuple[int, str], object] = {}
-        self.replays: dict[tuple, object] = {}  # (encoder id, shape) -> replay.py's program or count of that shape
+        self.replays: dict[tuple, object] = {}  # (owner, first layer, layers, shape) -> replay.py's program, or state
 
     def __deepcopy__(self, memo):
         return None
@@ -133,7 +133,7 @@ class active:
 def decided(owner, op: str, decide, *args):
     """``decide(*args)``, kept in the active plan under (``owner``, ``op``): the decision of ``op`` for the module
     ``owner``, taken once per plan. Outside a plan, decided on every call."""
-    plan = getattr(_active, "plan", None)
+    plan = current()
     if plan is None:
         return decide(*args)
     key = (id(owner), op)

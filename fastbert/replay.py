@@ -162,6 +162,7 @@ class _Capture:
         # view reads the same memory; a tensor that died leaves its address to the next step's output)
         self.storages: dict[int, int] = {}
         self.geometry: list[tuple] = []  # slot -> (storage offset, shape, stride, dtype) of its tensor
+        self.made_by: list[int] = []  # slot -> the step whose output it is (0 for the input)
         self.last_use: list[int] = []  # slot -> the last step that reads it (-1: none)
         self._add(x)
         # (parameters, not buffers: a parameter replaced changes the plan, a buffer reassigned would not)
@@ -204,6 +205,7 @@ class _Capture:
         slot = len(self.geometry)
         self.storages[storage] = slot
         self.geometry.append((out.storage_offset(), tuple(out.shape), tuple(out.stride()), out.dtype))
+        self.made_by.append(len(self.steps))
         self.last_use.append(-1)
         return slot
 
@@ -276,9 +278,9 @@ class _Program:
         # each step with the slots to let go after it (the last step that reads them), so a replay holds no more
         # activations at once than the forward it replays
         released: list[list[int]] = [[] for _ in capture.steps]
-        for slot, step_index in enumerate(capture.last_use):
-            if step_index < len(capture.steps):
-                released[max(step_index, _producer(capture.steps, slot))].append(slot)
+        for slot, (made_by, last_use) in enumerate(zip(capture.made_by, capture.last_use)):
+            if last_use < len(capture.steps):
+                released[max(made_by, last_use)].append(slot)
         self.steps = tuple((fn, *_template(refs), *_template(kwrefs), outputs, many, tuple(r))
                            for (fn, refs, kwrefs, outputs, many), r in zip(capture.steps, released))
         self.output, self.size, self.params = output, len(capture.geometry), tuple(capture.params)
@@ -343,11 +345,6 @@ def _template(refs):
     if isinstance(refs, dict):
         return {name: ref[1] if ref[0] == _CONST else None for name, ref in refs.items()}, slotted
     return tuple(ref[1] if ref[0] == _CONST else None for ref in refs), slotted
-
-
-def _producer(steps: list[tuple], slot: int) -> int:
-    """The index of the step whose output ``slot`` is (0 for the input, slot 0)."""
-    return next((i for i, step in enumerate(steps) if slot in step[3]), 0)
 
 
 def _value(values: list, params: list, ref: tuple):
