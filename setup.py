@@ -153,10 +153,13 @@ class BuildExt(build_ext):
 
 setup(
     # Every package under fastbert/ (found, so a new one cannot be left out of the wheel), and kernels/ installed as
-    # fastbert.kernels, never as a top-level `kernels` (a different package on PyPI).
-    packages=["fastbert", *(f"fastbert.{name}" for name in find_packages("fastbert")), "fastbert.kernels"],
+    # fastbert.kernels, never as a top-level `kernels`: PyPI has a package of that name (transformers >= 5.25 depends
+    # on it), and kernels/ has no __init__.py so that, from the repository root, it never shadows that package
+    # (fastbert/_checkout.py). fastbert.kernels is therefore a namespace package, found by path like any other.
+    packages=["fastbert", *(f"fastbert.{name}" for name in find_packages("fastbert")), "fastbert.kernels",
+              "fastbert.data"],
     package_dir={"fastbert": "fastbert", "fastbert.kernels": "kernels"},
-    package_data={"fastbert": ["data/*.txt"]},  # the int8 guard's sentences
+    package_data={"fastbert.data": ["*.txt"]},  # the int8 guard's sentences
     ext_modules=[
         Pybind11Extension(
             "fastbert._C",

@@ -17,10 +17,11 @@ from . import _checkout
 
 __version__ = "0.1.0"
 
-if _checkout.shadowed(__name__):
+if _checkout.shadowed(__file__):
     # The repository's source folder, found first from the checkout's root: the installed package replaces it.
     _checkout.load_installed(__name__, __file__)
 else:
+    _checkout.bind_kernels(__name__, __file__)  # (an editable install: fastbert.kernels is the checkout's kernels/)
     from .auto import (
         AutoModel,
         AutoModelForMaskedLM,

@@ -27,8 +27,9 @@ def _library_dirs() -> tuple[str, ...]:
     editable install)."""
     from . import kernels
 
+    # (__path__, not __file__: fastbert.kernels is a namespace package, without a file of its own)
     packages = (sys.modules[__package__], kernels, torch, transformers)
-    return tuple(os.path.dirname(os.path.abspath(p.__file__)) + os.sep for p in packages)
+    return tuple(os.path.abspath(folder) + os.sep for p in packages for folder in p.__path__)
 
 
 def fallback(message: str) -> None:

@@ -18,6 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from .kernels.activation import ACTIVATIONS, activation_ref
 
 # Activation kind (kernels/activation.py's ACTIVATIONS) -> oneDNN's epilogue (attr, algorithm).

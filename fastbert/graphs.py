@@ -34,6 +34,7 @@ import threading
 import torch
 
 from . import announce, compat, derived, dispatch, inputs, padding
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from .kernels._common import direct_launch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from . import _extension, int8_handoff, replay
 from .cpu_gemm import EPILOGUES
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from .kernels.activation import activation_ref
 
 

@@ -34,11 +34,16 @@ def optimize(model: nn.Module) -> nn.Module:
     ``fastbert.info()["optimized"]``; an encoder left as transformers' is announced with the reason; finding no
     encoder at all is warned, naming the classes seen.
     """
-    accelerated, left = accelerate(model)
+    # (sentence-transformers before 4.0: a CrossEncoder is no module, it holds transformers' model as ``.model``)
+    modules = model if isinstance(model, nn.Module) else getattr(model, "model", None)
+    if not isinstance(modules, nn.Module):
+        raise TypeError(f"fastbert.optimize takes a torch.nn.Module (a transformers, sentence-transformers or PEFT "
+                        f"model), not {type(model).__name__}")
+    accelerated, left = accelerate(modules)
     if not accelerated and not left:
         warnings.warn(
             f"fastbert.optimize found no BERT-family encoder to accelerate in {type(model).__name__} (it contains "
-            f"{', '.join(model_classes(model))}); the model is unchanged",
+            f"{', '.join(model_classes(modules))}); the model is unchanged",
             RuntimeWarning,
             stacklevel=2,
         )

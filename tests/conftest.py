@@ -79,6 +79,13 @@ def _small_bert_config(**overrides) -> transformers.BertConfig:
     return transformers.BertConfig(**values)
 
 
+def eager_attention(model: transformers.PreTrainedModel) -> None:
+    """Have ``model`` run transformers' eager attention, the plain math (``set_attn_implementation`` from 4.54; before
+    it, a float64 model's SDPA runs torch's math kernel, as precise)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+
+
 def _randomize_(model: torch.nn.Module, seed: int) -> None:
     """Every parameter random, biases and LayerNorm included (HF's init zeroes biases, which would hide a kernel that
     drops one). Weights ~ N(0, 1/fan_in), so attention is neither uniform nor one-hot."""
@@ -130,7 +137,7 @@ def bert_trio():
         fast = fastbert.BertModel(config, add_pooling_layer=add_pooling_layer, unpad=unpad).eval()
         fast.load_state_dict(hf.state_dict(), strict=True)
         ref = copy.deepcopy(hf).double()
-        ref.set_attn_implementation("eager")  # the plain math, in float64
+        eager_attention(ref)  # the plain math, in float64
         return BertTrio(config, fast.to(dtype), hf.to(dtype), ref)
 
     return make

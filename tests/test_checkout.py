@@ -21,7 +21,8 @@ def _in_root(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_import_from_the_repository_root_gets_the_installed_package():
-    done = _in_root("-c", "import fastbert, fastbert.kernels, fastbert._C; print(fastbert.BertModel.__module__)")
+    done = _in_root("-c", "import transformers, fastbert, fastbert.kernels.attention, fastbert._C; "
+                          "print(fastbert.BertModel.__module__)")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "fastbert.models.bert"
 
@@ -30,6 +31,38 @@ def test_info_runs_from_the_repository_root():
     done = _in_root("-m", "fastbert.info")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fastbert" in done.stdout
+
+
+def test_serve_help_runs_from_the_repository_root():
+    done = _in_root("-m", "fastbert", "serve", "--help")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage" in done.stdout
+
+
+def test_the_kernels_folder_never_shadows_pypi_kernels():
+    # transformers >= 5.25 imports the PyPI package `kernels` from transformers.modeling_utils: from the repository
+    # root, our kernels/ (installed as fastbert.kernels) must lose to it, and where it is absent transformers must
+    # still find no `kernels` distribution (it checks the metadata too).
+    assert not (ROOT / "kernels" / "__init__.py").exists(), "kernels/ must stay a namespace candidate only"
+    probe = """
+import importlib.metadata, importlib.util, os, sys
+import transformers, transformers.modeling_utils, transformers.utils, fastbert
+try:
+    importlib.metadata.version("kernels")
+    installed = True
+except importlib.metadata.PackageNotFoundError:
+    installed = False
+if installed:
+    import kernels
+    where = os.path.abspath(kernels.__file__)
+    assert not where.startswith(sys.argv[1] + os.sep), where
+else:  # (transformers before 4.54 has no hub kernels at all)
+    assert not getattr(transformers.utils, "is_kernels_available", lambda: False)()
+print("installed" if installed else "absent")
+"""
+    done = _in_root("-c", probe, str(ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() in ("installed", "absent")
 
 
 

@@ -13,6 +13,7 @@ from transformers.models.bert import modeling_bert as hf_bert
 
 import fastbert
 
+from conftest import eager_attention
 from test_model_api import right_padded
 
 
@@ -202,7 +203,7 @@ def test_hidden_states_are_on_the_autograd_path(small_bert_config, unpad):
 
 def test_output_attentions_runs_transformers(small_bert_config):
     hf, fast = _pair(small_bert_config)
-    hf.set_attn_implementation("eager"), fast.set_attn_implementation("eager")
+    eager_attention(hf), eager_attention(fast)
     input_ids, mask = right_padded(hf.config)
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="output_attentions") as record:
         out = fast(input_ids, attention_mask=mask, output_attentions=True)

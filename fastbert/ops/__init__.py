@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import derived
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels.activation import ACTIVATIONS
 from ..plain import has_hooks, is_plain
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import dispatch
 from ..dispatch import Backend
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels import activation as activation_kernels
 from ..plain import is_plain
 from ..plan import decided

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .. import announce, cpu, dispatch, int8, int8_handoff
 from ..dispatch import Backend, ByDesign, MeasuredChoice
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels import attention as triton_attention
 from ..kernels import attention_varlen as triton_varlen
 from ..padding import TokenLayout

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from .. import _extension
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels._common import launch_or_op
 from . import disentangled as position_terms
 from .disentangled import Disentangled

@@ -19,6 +19,7 @@ import threading
 import torch
 
 from .. import _extension, int8_handoff, int8_linear, replay
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels._common import direct_launch, launch_or_op
 
 LEVELS = 255  # softmax's numerators: u8, the row's largest exactly this

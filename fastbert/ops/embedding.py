@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import _extension, derived, dispatch
 from ..dispatch import Backend
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels import embedding as triton_embedding
 from ..kernels._common import launch_or_op
 from ..plan import decided

@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import derived, dispatch
 from ..dispatch import Backend
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels import glu as glu_kernels
 from ..plain import is_plain
 from ..plan import decided

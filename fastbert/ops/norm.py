@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import _extension, dispatch, int8, int8_handoff, int8_linear, replay
 from ..dispatch import Backend, ByDesign
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels import layer_norm as layer_norm_kernels
 from ..kernels.activation import ACTIVATIONS, BIAS_ACT_KINDS
 from ..plain import has_hooks, is_plain

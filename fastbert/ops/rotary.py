@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import dispatch
 from ..dispatch import Backend
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels import rope as rope_kernels
 from ..plan import decided
 
