@@ -43,7 +43,7 @@ else:
     )
     from .models import UNAVAILABLE as _UNAVAILABLE
     from .optimize import optimize
-    from .quantize import quantize
+    from .int8.quantize import quantize
     from .validation import set_input_checks
 
     __all__ = [

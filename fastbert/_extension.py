@@ -2,8 +2,8 @@
 
 ``_C`` is torch-free (DESIGN.md section 2): it takes raw pointers, sizes, a dtype code and a CUDA stream. Each kernel's
 torch side (checks, contiguity, allocation with ``torch.empty``, the op registered with ``torch.library``) lives with
-the op it serves: the embedding in ``kernels/embedding.py``, the CPU attention in ``kernels/attention/cpu.py``, the
-int8 activation quantizer in ``int8_linear.py``, the weight fingerprint in ``derived.py``. A missing or partial ``_C``
+the op it serves: the embedding in ``kernels/embedding.py``, the CPU attention in ``ops/attention_cpu.py``, the
+int8 activation quantizer in ``int8/linear.py``, the weight fingerprint in ``derived.py``. A missing or partial ``_C``
 never fails the import: the ``*_unavailable_reasons`` functions say why, and the ops' backends fall back.
 """
 

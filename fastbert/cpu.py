@@ -23,7 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm, int8_linear, store, threads
+from . import cpu_gemm, store, threads
+from .int8 import linear as int8_linear
 
 # The instruction-set flags that change what is fast here, as /proc/cpuinfo names them.
 ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ne_convert",

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _extension, announce, replay
+from . import _extension, announce, run
 
 try:  # modules under torch.distributed's composable APIs (fully_shard, replicate), held weakly
     from torch.distributed._composable_state import _module_state_mapping as _composable_modules
@@ -131,6 +131,20 @@ class _Entry:
         return len(self.refs) == len(params) and all(ref() is p for ref, p in zip(self.refs, params))
 
 
+_on_replace: list = []  # what must let go of replaced values (the replay's programs): called on every replacement
+
+
+def when_replaced(callback) -> None:
+    """Call ``callback()`` whenever a derived value is rebuilt or dropped anywhere (``replay/`` drops its programs
+    then, so that none keeps an old value alive)."""
+    _on_replace.append(callback)
+
+
+def _replaced() -> None:
+    for callback in _on_replace:
+        callback()
+
+
 def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build) -> torch.Tensor:
     """``build(*params)``, cached on ``owner`` under ``name`` while ``params`` hold what it was built from.
 
@@ -145,17 +159,17 @@ def cached(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...], build)
     entry = entries.get(name)
     now = state(params)  # read before building: a write during the build leaves the new entry stale, not wrong
     if entry is not None and entry.state == now and entry.built_from(params):
-        replay.derived_used(owner, name, params, entry.value)
+        run.derived_used(owner, name, params, entry.value)
         return entry.value
     # Outside inference mode, so the result is a normal tensor usable by later no-grad forwards too.
-    with replay.aside(), torch.inference_mode(False), torch.no_grad():
+    with run.aside(), torch.inference_mode(False), torch.no_grad():
         value = build(*(p.detach() for p in params))
     if entry is not None:  # (a value replaced: no replay may hold the old one)
-        replay.forget()
+        _replaced()
     entry = _Entry(owner, name, params, now, value)
     owner.__dict__[ATTRIBUTE] = _Entries({**entries, name: entry})  # one assignment publishes it
     _track(params)
-    replay.derived_used(owner, name, params, value)
+    run.derived_used(owner, name, params, value)
     return value
 
 
@@ -199,21 +213,21 @@ def discard(owner: nn.Module, name: str) -> None:
     entries = owner.__dict__.get(ATTRIBUTE)
     if entries and name in entries:
         owner.__dict__[ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
-        replay.forget()
+        _replaced()
 
 
 def _discard_entry(owner: nn.Module, name: str, entry: _Entry) -> None:
     entries = owner.__dict__.get(ATTRIBUTE)
     if entries and entries.get(name) is entry:  # (a newer entry under the same name stays)
         owner.__dict__[ATTRIBUTE] = _Entries({k: v for k, v in entries.items() if k != name})
-        replay.forget()
+        _replaced()
 
 
 def clear(module: nn.Module) -> None:
     """Drop every derived tensor cached in ``module`` and its submodules (they are rebuilt on the next forward)."""
     for m in module.modules():
         m.__dict__.pop(ATTRIBUTE, None)
-    replay.forget()
+    _replaced()
 
 
 # --- optimizer steps: make fused optimizers' writes visible ------------------------------------------------------

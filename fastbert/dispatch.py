@@ -18,7 +18,7 @@ keeps each decision, a named backend with its call, while nothing it read has ch
 
 Settings: ``FASTBERT_BACKEND=auto|torch|triton`` (``torch`` runs every op's ``torch`` backend; ``triton`` prefers the
 ``triton`` backend wherever an op has one and it can run), ``FASTBERT_CPU_GEMM=auto|onednn|torch`` and
-``FASTBERT_CPU_INT8=auto|on|off`` (read by the GEMM backends), ``FASTBERT_CPU_REPLAY=auto|off`` (``replay.py``). The
+``FASTBERT_CPU_INT8=auto|on|off`` (read by the GEMM backends), ``FASTBERT_CPU_REPLAY=auto|off`` (``replay/``). The
 environment is read once, at the first forward (``reload_settings()`` reads it again). A skipped faster backend is
 warned once, with its reasons, unless every reason is a ``MeasuredChoice`` (this machine measured the other faster) or
 ``ByDesign`` (Triton on a CPU, where torch's ops are the fast path); every reason met reaches ``fastbert.info()``.
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import announce, replay
+from . import announce, run
 
 ENV_BACKEND = "FASTBERT_BACKEND"
 ENV_CPU_GEMM = "FASTBERT_CPU_GEMM"
@@ -49,7 +49,7 @@ class Settings:
     cpu_gemm: str  # FASTBERT_CPU_GEMM: auto, onednn or torch
     cpu_int8: str  # FASTBERT_CPU_INT8: auto (quantized GEMMs in int8 where measured faster), on, or off (float32)
     interpreter: bool  # TRITON_INTERPRET set: Triton may run CPU tensors (through its interpreter)
-    cpu_replay: str  # FASTBERT_CPU_REPLAY: auto (replay.py) or off
+    cpu_replay: str  # FASTBERT_CPU_REPLAY: auto (replay/) or off
 
 
 _settings: Settings | None = None
@@ -152,7 +152,13 @@ class Backend:
     reasons it cannot (empty lists: it can). ``devices`` and ``dtypes`` (None: any) say where it exists at all (a
     C++ CPU kernel is no candidate for a GPU tensor, and no reason is given for it there). ``opt_in``: it runs only
     calls that asked for it (the Linears ``fastbert.quantize`` chose), so it is never what a device and dtype run by
-    default (``report``)."""
+    default (``report``).
+
+    ``declines(call, *tensors)``: None, or a function that may refuse one call at run time with a reason (what only
+    the tensors tell: a dense batch whose padded rows the kernel cannot skip); the decision then runs the next
+    backend that can, and counts it. ``steps``: every native call it makes is a replay step (``run.step``), or it
+    makes none and only calls other ops, whose decisions are judged in turn: a recorded forward may contain it
+    (``replay/``)."""
 
     name: str
     run: Callable
@@ -161,6 +167,8 @@ class Backend:
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     opt_in: bool = False
+    declines: Callable[..., str | None] | None = None
+    steps: bool = False
 
     def exists_for(self, device: torch.device, dtype: torch.dtype) -> bool:
         return (self.devices is None or device.type in self.devices) and (self.dtypes is None or dtype in self.dtypes)
@@ -168,18 +176,51 @@ class Backend:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The backend an op runs for one call site, with that call's facts; called with the tensors."""
+    """The backend an op runs for one call site, with that call's facts; called with the tensors. ``after``: the
+    backends that can run the call too, in order, where the chosen one may decline a call (``Backend.declines``)."""
 
     op: str
     backend: Backend
     call: object
     warning: str | None = None
+    after: tuple[Backend, ...] = ()
 
     def __call__(self, *tensors):
         if self.warning is not None:
             announce.fallback(self.warning)  # (warned once, counted each call)
-        replay.decided(self.op, self.backend.name, self.warning)
-        return self.backend.run(self.call, *tensors)
+        backend = self.backend
+        if backend.declines is not None:
+            backend = self._accepting(tensors)
+        run.decided(self.op, backend, self.warning)
+        return backend.run(self.call, *tensors)
+
+    def _accepting(self, tensors: tuple) -> Backend:
+        """The first backend, from the chosen one on, that does not decline this call; each decline counted."""
+        for backend in (self.backend, *self.after):
+            why = None if backend.declines is None else backend.declines(self.call, *tensors)
+            if why is None:
+                return backend
+            _declined(self.op, backend.name, why)
+        raise AssertionError(f"{self.op}: every backend declined (the last, torch, never does)")
+
+
+_declines: dict[tuple[str, str, str], int] = {}  # (op, backend, why) -> calls it declined in this process
+
+
+def _declined(op: str, backend: str, why: str) -> None:
+    """A backend declined a call: counted for ``info()`` and for whoever watches the forward (the guard), and said
+    once unless it is the design (``ByDesign``)."""
+    with _seen_lock:
+        _declines[op, backend, why] = _declines.get((op, backend, why), 0) + 1
+    run.count((op, backend, "declined"))
+    if not isinstance(why, ByDesign):
+        announce.fallback(f"{op} did not run {backend} on a call: {why}")
+
+
+def declines() -> dict[str, int]:
+    """``"op: backend declined (why)"`` -> the calls so declined in this process (the next backend ran them)."""
+    with _seen_lock:
+        return {f"{op}: {backend} declined ({why})": n for (op, backend, why), n in _declines.items()}
 
 
 _registry: dict[str, tuple[Backend, ...]] = {}  # op -> its backends, fastest first
@@ -218,14 +259,21 @@ def decide(op: str, backends: Sequence[Backend], call) -> Decision:
             chosen = backend
             break
         reasons[backend.name] = static + dynamic
+    after = () if chosen.declines is None else _able(op, backends[backends.index(chosen) + 1:], call)
     if requested == "triton" and "triton" in reasons:  # forced where it cannot run: the best that can, said
         return Decision(op, chosen, call, f"{ENV_BACKEND}=triton, but Triton cannot run {op} on "
                                           f"{call.device.type} {call.dtype} here ({'; '.join(reasons['triton'])}): "
-                                          f"{chosen.name} runs it")
+                                          f"{chosen.name} runs it", after)
     skipped = [(name, why) for name, why in reasons.items()
                if not all(isinstance(reason, (MeasuredChoice, ByDesign)) for reason in why)]
     warning = f"{op} is not using {skipped[0][0]}: {'; '.join(skipped[0][1])}" if skipped else None
-    return Decision(op, chosen, call, warning)
+    return Decision(op, chosen, call, warning, after)
+
+
+def _able(op: str, backends: Sequence[Backend], call) -> tuple[Backend, ...]:
+    """Those of ``backends`` that can run ``call`` too (what a declining backend leaves it to), in order."""
+    return tuple(b for b in backends if b.exists_for(call.device, call.dtype)
+                 and not _unavailable(op, b, call.device, call.dtype) and not b.why_not(call))
 
 
 _static: dict[tuple, list[str]] = {}  # what eager calls found each backend's ``unavailable`` to say, for compiled ones

@@ -12,8 +12,9 @@ import types
 
 import torch
 
-from . import (__version__, _extension, announce, cpu, dispatch, int8, int8_decisions, models, replay, threads,
-               validation)
+from . import __version__, _extension, announce, cpu, dispatch, models, replay, threads, validation
+from .int8 import choices as int8
+from .int8 import decisions as int8_decisions
 from .ops import attention_cpu, attention_int8
 from .optimize import reports as optimize_reports
 
@@ -73,11 +74,14 @@ def info() -> dict:
         "int8": {**int8.report(),
                  "attention_unavailable": int8.unavailable_reasons() + attention_int8.unavailable_reasons(),
                  "models": int8_decisions.reports()},
-        # CPU replay (replay.py): FASTBERT_CPU_REPLAY, the encoder forwards captured and replayed in this process, and
+        # CPU replay (replay/): FASTBERT_CPU_REPLAY, the encoder forwards captured and replayed in this process, and
         # why captures were dropped (those shapes run op by op).
         "replay": {"requested": dispatch.settings().cpu_replay, **replay.report()},
         "backends": backends,
         "reasons": reasons,
+        # Calls a chosen backend declined at run time, which the next backend ran ("op: backend declined (why)" ->
+        # calls): what really ran, beside what was decided.
+        "declined": dispatch.declines(),
         # What this process has fallen back from so far (reason -> times): dtypes without a kernel, gradients,
         # options run by transformers' implementation, wrapped modules called as modules.
         "fallbacks": announce.seen(),
@@ -131,7 +135,8 @@ def summary(report: dict) -> str:
     lines.append(f"CPU replay (FASTBERT_CPU_REPLAY={replayed['requested']}): {replayed['captured']} encoder forwards "
                  f"captured, {replayed['replayed']} replayed" + "".join(
                      f"; dropped: {why} (x{n})" for why, n in replayed["dropped"].items()))
-    for title, key in (("fallbacks so far", "fallbacks"), ("notes so far", "notes")):
+    for title, key in (("fallbacks so far", "fallbacks"), ("notes so far", "notes"),
+                       ("declined at run time (the next backend ran them)", "declined")):
         if report[key]:
             lines.append(f"{title}:")
             lines += [f"  - {message} (x{count})" for message, count in report[key].items()]

@@ -14,7 +14,8 @@
 
 import torch
 
-from . import announce, dispatch, int8, padding, validation
+from . import announce, dispatch, padding, validation
+from .int8 import choices as int8
 from . import plan as plans
 from .ops import gemm
 

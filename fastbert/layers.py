@@ -23,7 +23,8 @@ derived from them: rotary tables, a relative bias).
 import torch
 from torch import nn
 
-from . import derived, int8, padding, plain, plan, replay
+from . import derived, padding, plain, plan, replay
+from .int8 import choices as int8
 from .ops import activation, embedding, gemm, mlp, norm
 from .ops.attention import attention
 from .positions import Positions
@@ -131,7 +132,7 @@ def run_layers(owner: nn.Module, layers, x: torch.Tensor, layout: padding.TokenL
     layer, None where not kept. A kept state is the tensor the layer reads (through a view or a gather), so gradients
     reach it as in HF.
     """
-    if keep is None:  # (where this plan has met the shape before, the layers' native steps alone: replay.py)
+    if keep is None:  # (where this plan has met the shape before, the layers' native steps alone: replay/)
         return replay.encode(owner, layers, x, layout, lambda x: _each_layer(owner, layers, x, layout, positions)), []
     states = []
     for i, layer in enumerate(layers):

@@ -26,8 +26,9 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
-from . import announce, compat, cpu, dispatch, inputs, int8, int8_decisions, layers, padding, threads
+from . import announce, compat, cpu, dispatch, inputs, layers, padding, run, threads
 from . import plan as plans
+from .int8 import decisions as int8_decisions
 from .positions import NONE, Positions
 
 
@@ -136,7 +137,7 @@ class FusedModel(layers.Fused):
         word = self.get_input_embeddings().weight
         embeds = kwargs.get("inputs_embeds")
         plan = plans.for_model(self, word.device, word.dtype, isinstance(embeds, torch.Tensor) and embeds.requires_grad)
-        with plans.active(plan):
+        with _entering(plan):  # (what this forward knows beside its arguments: run.py)
             why = compat.why_transformers(self, kwargs)
             if why is None:
                 return self._fused_forward(kwargs, graph_safe)
@@ -165,9 +166,9 @@ class FusedModel(layers.Fused):
         """embed -> encode -> unpack -> pool: indices [3, N] (``inputs.prepare``), inputs_embeds [N, width] or None
         -> ``output_class`` with [B, S, hidden] outputs; ``keep``: the hidden states to return
         (``compat.selected_states``). Reads no device data."""
-        # (int8 GEMMs take their activation range over the layout's tokens only; a CPU forward runs the threads the
-        # machine gives it, threads.py)
-        with int8.counting(layout), _cpu_threads(layout, indices.device):
+        # (int8 GEMMs take their activation range over the layout's tokens only: the forward's Run holds it; a CPU
+        # forward runs the threads the machine gives it, threads.py)
+        with _within_run(layout), _cpu_threads(layout, indices.device):
             x = self.embed(indices, inputs_embeds)  # [N, hidden]
             layout, positions = self.positions(indices, layout)
             x, states = self.encode(x, layout, positions, keep)
@@ -193,9 +194,9 @@ class FusedModel(layers.Fused):
             raise ValueError(f"forward_packed runs fastbert's fused forward only, and {why} needs transformers' "
                              "(call the model on a padded batch instead)")
         word = self.get_input_embeddings().weight
-        with plans.active(plans.for_model(self, word.device, word.dtype, False)):
+        with _entering(plans.for_model(self, word.device, word.dtype, False)):
             indices, layout = inputs.prepare_packed(self, input_ids, seqlens)
-            with int8.counting(layout), _cpu_threads(layout, word.device):
+            with _within_run(layout), _cpu_threads(layout, word.device):
                 x = self.embed(indices, None)
                 layout, positions = self.positions(indices, layout)
                 x, _ = self.encode(x, layout, positions, None)
@@ -236,6 +237,28 @@ class FusedModel(layers.Fused):
     def encode(self, x: torch.Tensor, layout: padding.TokenLayout, positions: Positions, keep: set[int] | None):
         """The layers: x [N, hidden] -> (last [N, hidden], kept states), see ``layers.run_layers``."""
         return getattr(self, self.encoder_name).fused(x, layout, positions, keep)
+
+
+def _entering(plan):
+    """The forward's ``Run`` to enter; none while torch.compile traces (a compiled graph holds no forward state: it
+    runs dense, without int8 handoffs or replay, so the ops read nothing of a Run)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else run.Run(plan=plan)
+
+
+@contextlib.contextmanager
+def _within_run(layout: padding.TokenLayout):
+    """The forward's ``Run`` with its layout set (``run_encoder`` inside a model forward, as always in fastbert), or
+    a new one for this call (called directly); nothing while torch.compile traces."""
+    current = run.current()
+    if torch.compiler.is_compiling():
+        yield
+    elif current is None:
+        with run.Run() as current:
+            current.layout = layout
+            yield
+    else:
+        current.layout = layout
+        yield
 
 
 def _cpu_threads(layout: padding.TokenLayout, device: torch.device):

@@ -15,7 +15,8 @@ import warnings
 from torch import nn
 from transformers import PreTrainedModel
 
-from . import announce, compat, int8_decisions, modeling
+from . import announce, compat, modeling
+from .int8 import decisions as int8_decisions
 from .models import HEAD_CLASSES, MODEL_CLASSES
 
 logger = logging.getLogger("fastbert")

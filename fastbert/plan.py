@@ -21,14 +21,11 @@ Not planned (decided on every call, as before): forwards under torch.compile, ex
 transforms, a dispatch mode (fake tensors), and ops called outside a model forward.
 """
 
-import threading
-
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import dispatch, plain
+from . import dispatch, plain, run
 
-_active = threading.local()  # .plan: the plan of the forward running in this thread, or None
 _conversions = 0  # moved by every .to()/.half()/... of a fastbert module (layers.Fused._apply)
 
 
@@ -45,7 +42,7 @@ class Plan:
     def __init__(self, key: tuple):
         self.key = key
         self.decisions: dict[tuple[int, str], object] = {}
-        self.replays: dict[tuple, object] = {}  # (owner, first layer, layers, shape) -> replay.py's program, or state
+        self.replays: dict[tuple, object] = {}  # (owner, first layer, layers, shape) -> replay/'s program, or state
 
     def __deepcopy__(self, memo):
         return None
@@ -111,27 +108,13 @@ def structure(model) -> tuple:
 
 
 def current() -> Plan | None:
-    """The plan of the forward running in this thread, or None."""
-    return getattr(_active, "plan", None)
-
-
-class active:
-    """``with active(plan):`` the ops called in this thread keep their decisions in ``plan`` (None: none)."""
-
-    def __init__(self, plan: Plan | None):
-        self.plan = plan
-
-    def __enter__(self):
-        self.outer = getattr(_active, "plan", None)
-        _active.plan = self.plan
-        return self.plan
-
-    def __exit__(self, *exc):
-        _active.plan = self.outer
+    """The plan of the forward running here (``run.current().plan``), or None."""
+    forward = run.current()
+    return None if forward is None else forward.plan
 
 
 def decided(owner, op: str, decide, *args):
-    """``decide(*args)``, kept in the active plan under (``owner``, ``op``): the decision of ``op`` for the module
+    """``decide(*args)``, kept in the forward's plan under (``owner``, ``op``): the decision of ``op`` for the module
     ``owner``, taken once per plan. Outside a plan, decided on every call."""
     plan = current()
     if plan is None:

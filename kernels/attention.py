@@ -20,13 +20,7 @@ import torch
 
 from ._common import for_device, launch_or_op, tl, triton
 from .attention_args import MAX_HEAD_DIM, _check_attention  # noqa: F401  (MAX_HEAD_DIM: read through this module)
-from .attention_config import (  # noqa: F401  (the tables and helpers tests read through this module)
-    _ATTENTION_CONFIGS,
-    _attention_config,
-    _gpu_arch,
-    _gpu_config,
-    _input_precision,
-)
+from .attention_config import _attention_config, _input_precision
 
 
 def attention_ref(

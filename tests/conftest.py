@@ -37,7 +37,7 @@ os.environ.setdefault("FASTBERT_NUM_THREADS", str(torch.get_num_threads()))
 def int8_on(fastbert_env):
     """Int8 GEMMs forced on (``FASTBERT_CPU_INT8=on``), so int8 tests do not depend on this CPU's measurement;
     skipped where oneDNN's int8 linear cannot run."""
-    from fastbert import int8_linear
+    from fastbert.int8 import linear as int8_linear
 
     reasons = int8_linear.unavailable_reasons()
     if reasons:

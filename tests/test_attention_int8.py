@@ -15,7 +15,11 @@ import transformers
 from test_families import FAMILIES, FAMILY_IDS, inputs
 
 import fastbert
-from fastbert import guard_inputs, int8, int8_handoff, int8_linear, padding
+from fastbert import padding
+from fastbert.int8 import choices as int8, guard_inputs
+from fastbert.int8 import decisions as int8_decisions
+from fastbert.int8 import handoff as int8_handoff
+from fastbert.int8 import linear as int8_linear
 from fastbert.ops import attention, attention_int8
 
 pytestmark = pytest.mark.skipif(bool(attention_int8.unavailable_reasons()),
@@ -198,7 +202,7 @@ def test_the_guard_chooses_it_and_the_forward_runs_it(int8_on, minilm, monkeypat
     report = fastbert.info()["int8"]["models"][-1]
     assert report["attention_layers"] == LAYERS and report["mean_cosine"] >= 0.99
     assert fastbert.info()["int8"]["attention_unavailable"] == []
-    assert "int8 attention in 6 layers" in fastbert.int8_decisions.describe(report)
+    assert "int8 attention in 6 layers" in int8_decisions.describe(report)
     # (up to the longest input the guard ran: its sentences back to back, up to 512 tokens)
     texts, _ = guard_inputs.usable_texts(model.tokenizer, None)
     longest = guard_inputs.longest_input(guard_inputs.batches_of(model.tokenizer, texts, [model[0].auto_model]))

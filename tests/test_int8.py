@@ -14,7 +14,9 @@ import transformers
 from test_families import FAMILIES, FAMILY_IDS, _head_cases, _pad_id, inputs
 
 import fastbert
-from fastbert import derived, int8, int8_linear
+from fastbert import derived
+from fastbert.int8 import choices as int8
+from fastbert.int8 import linear as int8_linear
 
 
 def bits_here() -> list[int]:

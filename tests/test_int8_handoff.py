@@ -12,7 +12,10 @@ import torch.nn.functional as F
 import transformers
 
 import fastbert
-from fastbert import guard, int8, int8_handoff, int8_linear, plan
+from fastbert import plan
+from fastbert.int8 import choices as int8, guard
+from fastbert.int8 import handoff as int8_handoff
+from fastbert.int8 import linear as int8_linear
 from fastbert.ops import norm
 
 FP32_TOL = 1e-5  # a LayerNorm of values of order 1..10 in float32 against float64

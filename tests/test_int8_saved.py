@@ -9,8 +9,8 @@ import torch
 import transformers
 
 import fastbert
-import fastbert.guard_inputs
-from fastbert import int8
+from fastbert.int8 import choices as int8
+from fastbert.int8 import guard_inputs
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +127,10 @@ def test_the_shipped_sentences_leave_out_those_unknown_to_the_vocabulary(int8_on
     guard runs on the others."""
     model = transformers.AutoModel.from_pretrained(minilm)
     tokenizer = transformers.AutoTokenizer.from_pretrained(minilm)
-    with open(fastbert.guard_inputs._GUARD_TEXTS, encoding="utf-8") as f:
+    with open(guard_inputs._GUARD_TEXTS, encoding="utf-8") as f:
         shipped = [t.strip() for t in f if t.strip()]
     cyrillic = [t for t in shipped if any("\u0400" <= c <= "\u04ff" for c in t)]
-    _, already = fastbert.guard_inputs.usable_texts(tokenizer, None)  # (MiniLM's vocabulary lacks some Chinese characters)
+    _, already = guard_inputs.usable_texts(tokenizer, None)  # (MiniLM's vocabulary lacks some Chinese characters)
     original = tokenizer.__class__.__call__
 
     def cyrillic_unknown(self, texts, **kwargs):
@@ -168,7 +168,7 @@ def test_token_rows_are_bucketed_for_int8(int8_on, small_bert_config, monkeypatc
     """oneDNN's int8 linear keeps a primitive per distinct row count too: a quantized model's padding-free rows go as
     one of a few bucket sizes (a server's varied batches do not grow its memory), and the spare rows change nothing."""
     from fastbert import padding
-    from fastbert import int8_linear
+    from fastbert.int8 import linear as int8_linear
 
     rows_seen, linear = [], int8_linear.linear
     monkeypatch.setattr(int8_linear, "linear", lambda x, *a, **k: rows_seen.append(x.shape[0]) or linear(x, *a, **k))

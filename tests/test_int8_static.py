@@ -8,7 +8,8 @@ import torch
 import transformers
 
 import fastbert
-from fastbert import guard, guard_inputs, int8, int8_linear
+from fastbert.int8 import choices as int8, guard, guard_inputs
+from fastbert.int8 import linear as int8_linear
 
 @pytest.mark.parametrize("tokens, d_in", [(0, 5), (1, 3), (7, 64), (300, 96), (33, 3072)])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])

@@ -16,16 +16,13 @@ import pytest
 import torch
 
 from fastbert.kernels._common import compilable, compile_for_gpu, interpreting
-from fastbert.kernels.attention import (
+from fastbert.kernels.attention import _attention_fwd_kernel, _attention_op, attention, attention_ref
+from fastbert.kernels.attention_config import (
     _ATTENTION_CONFIGS,
     _attention_config,
-    _attention_fwd_kernel,
-    _attention_op,
     _gpu_arch,
     _gpu_config,
     _input_precision,
-    attention,
-    attention_ref,
 )
 from fastbert.kernels.attention_varlen import _attention_varlen_op, attention_varlen, attention_varlen_ref
 from kernel_checks import DTYPES, assert_close_to_ref, cubin_resources

@@ -14,7 +14,8 @@ import transformers
 from test_families import FAMILIES, FAMILY_IDS, inputs
 
 import fastbert
-from fastbert import int8, replay
+from fastbert import replay
+from fastbert.int8 import choices as int8
 from fastbert.ops import attention_int8
 
 pytestmark = pytest.mark.skipif(bool(attention_int8.unavailable_reasons()),
@@ -278,7 +279,7 @@ def test_its_modules_import_in_any_order():
     import subprocess
     import sys
 
-    for module in ("fastbert.plan", "fastbert.replay", "fastbert.derived", "fastbert.int8_linear"):
+    for module in ("fastbert.plan", "fastbert.replay", "fastbert.derived", "fastbert.int8.linear"):
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
 
 

@@ -129,7 +129,8 @@ def test_four_processes_starting_together_agree(tmp_path):
     for it; they make the same choice for every op and leave one file of valid entries."""
     script = textwrap.dedent("""
         import json, torch, fastbert
-        from fastbert import dispatch, int8
+        from fastbert import dispatch
+        from fastbert.int8 import choices as int8
         backends, _ = dispatch.report(torch.device("cpu"), torch.float32)
         print(json.dumps(dict(gemm=backends["gemm"], attention=backends["attention"],
                               int8=not int8.unavailable_reasons())))

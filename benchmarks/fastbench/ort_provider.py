@@ -139,7 +139,7 @@ def _quantized_onnx(fused: str, log) -> str:
     from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from fastbert.int8 import weight_bits
+    from fastbert.int8.choices import weight_bits
 
     out = fused.replace(".opt.onnx", ".int8.onnx")
     reduce_range = weight_bits() == 7

@@ -12,7 +12,8 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.distilbert import modeling_distilbert as hf
 
-from .. import int8, layers, modeling, padding
+from .. import layers, modeling, padding
+from ..int8 import choices as int8
 from ..ops import activation, gemm, norm
 from ..ops.attention import attention
 from ..positions import Positions

@@ -15,7 +15,8 @@ The layers sit on the model itself (``model.layers``, no encoder module); HF's m
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .. import int8, layers, modeling, padding
+from .. import layers, modeling, padding
+from ..int8 import choices as int8
 from ..ops import glu, norm, rotary
 from ..ops.attention import attention
 from ..ops.gemm import stacked

@@ -63,7 +63,7 @@ def _torch_run(call: Call, x: torch.Tensor) -> torch.Tensor:
 
 BACKENDS = dispatch.register("bias_act", [
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=lambda c: list(c.reasons)),
-    Backend("torch", run=_torch_run),
+    Backend("torch", run=_torch_run, steps=True),  # (the GEMM op's decision is judged in turn)
 ])
 
 

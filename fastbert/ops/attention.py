@@ -29,7 +29,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .. import announce, cpu, dispatch, int8, int8_handoff
+from .. import announce, cpu, dispatch
+from ..int8 import choices as int8, handoff as int8_handoff
 from ..dispatch import Backend, ByDesign, MeasuredChoice
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels import attention as triton_attention
@@ -186,11 +187,15 @@ def _int8_why_not(call: Call) -> list[str]:
             list(call.reasons) or int8.unavailable_reasons() or attention_int8.unavailable_reasons()]
 
 
-def _int8_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
+def _padded_rows(call, heads, layout, *rest) -> str | None:
+    """Why the CPU kernels decline a call: a dense batch with padded rows (``unpad=False`` keeps them), which they
+    cannot skip; the next backend (torch's SDPA) runs it. The int8 guard counts these (``run.count``)."""
     if not layout.packed and not _every_key_real(layout):
-        # (unpad=False keeps padded rows: torch's float32 SDPA, as the float32 kernel does; the guard sees it)
-        attention_int8.declined()
-        return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff)
+        return ByDesign("a dense batch with padded rows (unpad=False): torch's SDPA runs it")
+    return None
+
+
+def _int8_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
     seqlens = layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch
     # The O projection reads the result: its u8, written in the same pass, once that GEMM has taught its scale.
     # [rows, H, D] with the layout's spare rows (zero; their u8 the zero point): no copy to add them after, and the
@@ -242,11 +247,8 @@ def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled
     columns = layout.columns if positional else None
     if layout.packed:
         return attention_cpu(heads, layout.seqlens, relative_bias, window, columns, disentangled=disentangled)
-    if _every_key_real(layout):  # dense with every token real: batch sequences of seq_len rows each
-        return attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window,
-                             disentangled=disentangled)
-    # (unpad=False keeps padded rows)
-    return _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff)
+    # dense with every token real (``_padded_rows`` declines the rest): batch sequences of seq_len rows each
+    return attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window, disentangled=disentangled)
 
 
 def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
@@ -262,10 +264,11 @@ def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangl
 # (cpu-ext before triton: on a CPU the C++ kernel, and Triton only where asked for, FASTBERT_BACKEND=triton under
 # its interpreter; on a GPU cpu-ext never applies)
 BACKENDS = dispatch.register("attention", [
-    Backend("cpu-int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), dtypes=(torch.float32,), opt_in=True),
+    Backend("cpu-int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), dtypes=(torch.float32,), opt_in=True,
+            declines=_padded_rows, steps=True),
     # (float32 only: bfloat16 takes torch's flash SDPA, which keeps its scores in float32 too)
     Backend("cpu-ext", run=_cpu_run, unavailable=_cpu_unavailable, why_not=lambda call: list(call.reasons),
-            devices=("cpu",), dtypes=(torch.float32,)),
+            devices=("cpu",), dtypes=(torch.float32,), declines=_padded_rows),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     Backend("torch", run=_torch_run),
 ])
@@ -274,7 +277,8 @@ BACKENDS = dispatch.register("attention", [
 # (docs/benchmarks.md has the figures).
 DISENTANGLED_BACKENDS = dispatch.register("disentangled_attention", [
     Backend("cpu-ext", run=_cpu_run, unavailable=lambda device, dtype: attention_cpu_unavailable_reasons(),
-            why_not=lambda call: list(call.reasons), devices=("cpu",), dtypes=(torch.float32,)),
+            why_not=lambda call: list(call.reasons), devices=("cpu",), dtypes=(torch.float32,),
+            declines=_padded_rows),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     Backend("torch", run=_torch_run),
 ])
@@ -305,7 +309,7 @@ def attention(qkv: torch.Tensor, layout: TokenLayout, num_heads: int, dropout_p:
     layer's choice, made by ``fastbert.quantize``'s guard on sequences up to that long): a batch with a longer one
     runs in float32, said once. Without a window or position terms only.
     handoff: the module whose output this is (the self-attention), for the int8 GEMM that reads it next: where the
-    int8 attention runs, it writes that GEMM's u8 in the same pass (``int8_handoff.py``).
+    int8 attention runs, it writes that GEMM's u8 in the same pass (``int8/handoff.py``).
     """
     if int8_attention is not None and (window is not None or relative_bias is not None or disentangled is not None):
         raise ValueError("the int8 attention (int8_attention) takes no window, relative bias or position terms")

@@ -10,15 +10,15 @@ On an Intel Xeon with AVX-512 VNNI (2 threads, 12 heads of 64, 8 x 128 tokens) t
 float32 one. The scales are taken per call from the values themselves (no calibration, nothing saved), so no query
 depends on another sequence. Reference: ``attention_int8_ref`` (the same integers; its exp is torch's, so a
 probability can sit one level away from the kernel's at a rounding tie). Kernel: csrc/attention_int8_cpu.h. With a
-target (``attention_int8_cpu_quantizing``) it also writes the u8 its O projection reads (``int8_handoff.py``).
+target (``attention_int8_cpu_quantizing``) it also writes the u8 its O projection reads (``int8/handoff.py``).
 """
 
 import functools
-import threading
 
 import torch
 
-from .. import _extension, int8_handoff, int8_linear, replay
+from .. import _extension, run
+from ..int8 import handoff as int8_handoff, linear as int8_linear
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels._common import direct_launch, launch_or_op
 
@@ -91,21 +91,13 @@ def _check_args(qkv: torch.Tensor, seqlens: list[int]) -> None:
                          f"{list(seqlens)[:8]}{'...' if len(seqlens) > 8 else ''}")
 
 
-_calls = threading.local()  # .launched, .declined: in this thread (the guard checks that it judged the kernel)
+# What ``run.count`` counts per launch, for whoever watches the forwards (the int8 guard checks that it judged the
+# kernel: that every call chosen for it ran it, none declined by dispatch as ``("attention", "cpu-int8", "declined")``)
+LAUNCHED = ("attention", "cpu-int8", "launched")
+DECLINED = ("attention", "cpu-int8", "declined")
 
 
-def launches() -> tuple[int, int]:
-    """(how many times the kernel ran in this thread so far, how many attention calls chosen for it ran float32:
-    a dense batch with padding)."""
-    return getattr(_calls, "launched", 0), getattr(_calls, "declined", 0)
-
-
-def declined() -> None:
-    """An attention call chosen for the kernel ran float32 (counted in ``launches``)."""
-    _calls.declined = launches()[1] + 1
-
-
-@replay.step
+@run.step
 def _launch(qkv: torch.Tensor, seqlens: list[int], target: int8_handoff.Target | None = None, spare_rows: int = 0,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     qkv = qkv.detach().contiguous()
@@ -128,7 +120,7 @@ def _launch(qkv: torch.Tensor, seqlens: list[int], target: int8_handoff.Target |
         out[tokens:] = 0
         if q is not None:
             q[tokens:] = target.zero_point  # (the u8 of a zero: 0 / smooth is 0 for the guard's divisors, all > 0)
-    _calls.launched = launches()[0] + 1
+    run.count(LAUNCHED)
     _extension._C.attention_int8_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), qkv.shape[2], qkv.shape[3],
                                      qkv.shape[3] ** -0.5, torch.get_num_threads(), 0 if q is None else q.data_ptr(),
                                      0 if smooth is None else smooth.data_ptr(),
@@ -162,7 +154,7 @@ def attention_int8_cpu(qkv: torch.Tensor, seqlens) -> torch.Tensor:
 def attention_int8_cpu_quantizing(qkv: torch.Tensor, seqlens, target: int8_handoff.Target | None,
                                   spare_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``attention_int8_cpu``, writing in the same pass the u8 of its output for the int8 GEMM that reads it next
-    (``int8_handoff.py``): ``int8_linear.quantize_static``'s bytes of the output viewed [rows, H D] with ``target``'s
+    (``int8/handoff.py``): ``int8_linear.quantize_static``'s bytes of the output viewed [rows, H D] with ``target``'s
     scale, zero point and divisors (``target`` None: no u8, as before the GEMM has taught one). Both have
     ``spare_rows`` rows after the T tokens' (zero, and the u8 of zero): the spare rows of a bucketed layout, so the
     GEMM reads them without a copy. In eager code on plain tensors; elsewhere (torch.compile, export, torch.func) the

@@ -5,7 +5,7 @@
 
 x: [tokens, in], W: [out, in]. Backends, fastest first:
 
-  int8    a Linear ``fastbert.quantize`` chose, on the CPU: oneDNN's quantized linear (``int8_linear.py``) on its
+  int8    a Linear ``fastbert.quantize`` chose, on the CPU: oneDNN's quantized linear (``int8/linear.py``) on its
           quantized weight (a derived cache), the bias, activation or residual in its epilogue; the input's scale
           per call, per token or static, as the guard chose
   onednn  a plain Linear on the CPU, where oneDNN measured faster than torch's F.linear here (``cpu.gemm_figures``):
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu, cpu_gemm, derived, dispatch, int8, int8_linear
+from .. import cpu, cpu_gemm, derived, dispatch, run
+from ..int8 import choices as int8, linear as int8_linear
 from ..dispatch import Backend, ByDesign, MeasuredChoice
 from ..plain import is_plain
 from ..plan import decided
@@ -113,7 +114,7 @@ def _int8_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None)
             return int8_linear.quantize_weight(weight, choice.bits, choice.smooth), bias
 
         weight, bias = derived.cached(owner, "int8_stacked", parameters(call.linears), build)
-    return _epilogue(call, int8_linear.linear(x, weight, bias, call.activation, residual, int8.real_rows(x),
+    return _epilogue(call, int8_linear.linear(x, weight, bias, call.activation, residual, run.real_rows(x),
                                               choice.per_token, choice.static))
 
 
@@ -181,7 +182,7 @@ def _torch_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None
 
 
 BACKENDS = dispatch.register("gemm", [
-    Backend("int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), opt_in=True),
+    Backend("int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), opt_in=True, steps=True),
     Backend("onednn", run=_onednn_run, unavailable=_onednn_unavailable, why_not=_onednn_why_not, devices=("cpu",)),
     Backend("torch", run=_torch_run),
 ])

@@ -19,7 +19,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from .. import dispatch, int8, int8_linear
+from .. import dispatch, run
+from ..int8 import choices as int8, linear as int8_linear
 from ..cpu_gemm import EPILOGUES
 from ..dispatch import Backend, ByDesign
 from ..plan import decided
@@ -58,12 +59,16 @@ def _int8_reasons(x: torch.Tensor, intermediate: nn.Module, output: nn.Module, a
             or int8.unavailable_reasons() or norm.layer_norm_cpu_unavailable_reasons())
 
 
+def _int8_declines(call: Call, x: torch.Tensor) -> str | None:
+    if int8.is_recording():
+        return ByDesign("the int8 guard records the GEMM inputs' ranges, which needs the float32 activations")
+    return None
+
+
 def _int8_run(call: Call, x: torch.Tensor) -> torch.Tensor:
-    if int8.is_recording():  # (the guard recording the GEMM inputs' ranges needs the float32 activations)
-        return _torch_run(call, x)
     dense_in, dense_out = call.intermediate.dense, call.output.dense
     first, second = int8.chosen(dense_in), int8.chosen(dense_out)
-    h = int8_linear.linear(x, gemm.int8_weight(dense_in), dense_in.bias, call.activation, rows=int8.real_rows(x),
+    h = int8_linear.linear(x, gemm.int8_weight(dense_in), dense_in.bias, call.activation, rows=run.real_rows(x),
                            static=first.static, output=second.static)  # u8 [tokens, intermediate]
     y = int8_linear.linear(h, gemm.int8_weight(dense_out), dense_out.bias, residual=x, static=second.static)
     return norm.handing_off(call.output.LayerNorm, y)
@@ -75,8 +80,8 @@ def _torch_run(call: Call, x: torch.Tensor) -> torch.Tensor:
 
 BACKENDS = dispatch.register("mlp", [
     Backend("int8", run=_int8_run, why_not=lambda call: [ByDesign(r) for r in call.reasons], devices=("cpu",),
-            opt_in=True),
-    Backend("torch", run=_torch_run),
+            opt_in=True, declines=_int8_declines, steps=True),
+    Backend("torch", run=_torch_run, steps=True),  # (the ops bias_act and layer_norm, whose decisions are judged)
 ])
 
 

@@ -9,7 +9,7 @@ Reference: ``kernels/layer_norm.py``'s ``layer_norm_ref`` (statistics in fp32). 
 and ``act_layer_norm``: triton (the GEMM without its bias, then one kernel adding bias, residual or activation and
 normalizing; on a GPU cuBLAS's bias epilogue keeps the GEMM one kernel), cpu-ext (post-norm blocks of a model
 ``fastbert.quantize`` made int8: the GEMM op, then fastbert._C's LayerNorm, csrc/layer_norm_cpu.h, which also writes
-the u8 of its output that the next int8 GEMM reads, ``int8_handoff.py``), torch (the GEMM op, with the residual or the
+the u8 of its output that the next int8 GEMM reads, ``int8/handoff.py``), torch (the GEMM op, with the residual or the
 activation in its epilogue where its backend has one, then F.layer_norm, or the modules where they are not plain).
 A pre-norm block's sum and its normalization are two outputs the block needs (the next sub-block reads both): the
 GEMM writes the sum and the LayerNorm reads it once, so a kernel storing both from one pass would move the same
@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _extension, dispatch, int8, int8_handoff, int8_linear, replay
+from .. import _extension, dispatch, run
+from ..int8 import choices as int8, handoff as int8_handoff, linear as int8_linear
 from ..dispatch import Backend, ByDesign
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels import layer_norm as layer_norm_kernels
@@ -90,7 +91,7 @@ def _torch_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torc
 # --- fastbert._C's LayerNorm (csrc/layer_norm_cpu.h): float32 on the CPU, writing the next int8 GEMM's u8 too --------
 
 
-@replay.step
+@run.step
 def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                    quantize: int8_handoff.Target | None = None,
                    isa: str = "", out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -147,7 +148,7 @@ def _cpu_why_not(call: Call) -> list[str]:
 
 def handing_off(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """norm(x) by fastbert._C's LayerNorm (``norm`` plain), with the u8 of it that the int8 GEMM reading it next took
-    last time (``int8_handoff.py``). x: the GEMM output the caller just made and nothing else holds, overwritten
+    last time (``int8/handoff.py``). x: the GEMM output the caller just made and nothing else holds, overwritten
     with the result: at 8 x 128 tokens a new [tokens, hidden] per LayerNorm is 3 MB that glibc returns to the
     system and faults back in, page by page, a layer later."""
     target = int8_handoff.target(norm)
@@ -163,7 +164,7 @@ def _cpu_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torch.
 RESIDUAL_BACKENDS = dispatch.register("layer_norm", [
     Backend("triton", run=_triton_residual, unavailable=dispatch.triton_unavailable, why_not=_why_not),
     Backend("cpu-ext", run=_cpu_residual, unavailable=_cpu_unavailable, why_not=_cpu_why_not, devices=("cpu",),
-            opt_in=True),
+            opt_in=True, steps=True),
     Backend("torch", run=_torch_residual),
 ])
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import announce, cpu
-from ..quantize import quantize
+from ..int8.quantize import quantize
 from ..auto import AutoModel, AutoModelForSequenceClassification
 from ..sentence import Sentence, pool_packed
 

@@ -27,10 +27,11 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import _extension, int8_handoff, replay
-from .cpu_gemm import EPILOGUES
+from .. import _extension, run
+from ..cpu_gemm import EPILOGUES
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
-from .kernels.activation import activation_ref
+from ..kernels.activation import activation_ref
+from . import handoff as int8_handoff
 
 
 class QuantizedWeight:
@@ -142,7 +143,7 @@ def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None,
     return out, scale, zero_point
 
 
-@replay.step
+@run.step
 def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torch.Tensor | None = None,
                     isa: str = ""):
     """x [tokens, in] float32 -> u8 [tokens, in] with the given scale and zero point (no range taken), in one pass
@@ -292,7 +293,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
         return _linear_u8(x.contiguous(), *static, weight, bias, activation, residual, output)
     if static is None:
         return _per_call(x, x.shape[0] if rows is None else rows, weight, bias, activation, residual, output)
-    # (the u8 the op producing x wrote in the same pass, where it did: int8_handoff.py)
+    # (the u8 the op producing x wrote in the same pass, where it did: int8/handoff.py)
     scale, zero_point = static
     q = int8_handoff.take(x, scale, zero_point, weight.smooth)
     q = quantize_static(x, scale, zero_point, weight.smooth) if q is None else q
@@ -313,7 +314,7 @@ def _linear_u8(q: torch.Tensor, scale: float, zero_point: int, weight: Quantized
                  out_zero_point, out_dtype, attr, [], algorithm)
 
 
-@replay.step
+@run.step
 def _per_call(x: torch.Tensor, rows: int | torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
               activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
     """x quantized with the range of its ``rows``, then ``_linear_u8`` (one step of a CPU replay: the scale is the
@@ -322,7 +323,7 @@ def _per_call(x: torch.Tensor, rows: int | torch.Tensor, weight: QuantizedWeight
     return _linear_u8(q, scale, zero_point, weight, bias, activation, residual, output)
 
 
-@replay.step
+@run.step
 def _per_token(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation: str | None,
                residual: torch.Tensor | None) -> torch.Tensor:
     """x quantized with one scale per token, the GEMM, then its bias, residual and activation (one step)."""
@@ -334,13 +335,13 @@ def _per_token(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     return y if activation is None else activation_ref(y, activation)
 
 
-@replay.step
+@run.step
 def _gemm(*args) -> torch.Tensor:
     """oneDNN's int8 linear, ``torch.ops.onednn.qlinear_pointwise`` (a step of a CPU replay)."""
     return torch.ops.onednn.qlinear_pointwise(*args)
 
 
-@replay.step
+@run.step
 def _gemm_residual(*args) -> torch.Tensor:
     """The same with a residual added in its epilogue, ``qlinear_pointwise.binary``."""
     return torch.ops.onednn.qlinear_pointwise.binary(*args)
@@ -360,7 +361,7 @@ def unavailable_reasons() -> list[str]:
 def _trial_failure() -> str | None:
     """The error of one tiny int8 GEMM with each epilogue, or None when they run and give the exact result (in a
     thread of its own, as ``cpu_gemm._trial_failure``)."""
-    from .threads import in_own_thread
+    from ..threads import in_own_thread
 
     return in_own_thread(_trial)
 

@@ -1,12 +1,12 @@
-"""Int8 GEMMs at run time: which Linears run them, over which rows the activation range is taken, and whether int8
+"""Int8 choices: which Linears (and attentions) run in int8, what the guard records of their inputs, and whether int8
 runs on this CPU at all. ``fastbert.quantize`` (``quantize.py``) chooses the Linears; the GEMM op's ``int8`` backend
 (``ops/gemm.py``) runs them, where this module says int8 runs.
 
 - A Linear chosen for int8 carries a ``Choice`` (weight bits, SmoothQuant divisor) in its ``__dict__``: no parameter
   or buffer, so state_dict, ``save_pretrained`` and the fp32 weights are untouched. Its quantized weight is a cache
   derived from the fp32 weight (``derived.py``): rebuilt after any write to it, empty in copies and pickles.
-- The activation range of each GEMM is taken over the rows that are real tokens (``counting``): packed batches carry
-  spare rows after them, dense batches with ``unpad=False`` carry padding. So padding never widens it, and a
+- The activation range of each GEMM is taken over the rows that are real tokens (``run.real_rows``): packed batches
+  carry spare rows after them, dense batches with ``unpad=False`` carry padding. So padding never widens it, and a
   sentence's embedding does not depend on its batch beyond the range its batch mates set.
 - Int8 runs where the CPU has oneDNN's quantized linear, it measures faster than the fp32 GEMM that would run
   otherwise (``cpu.int8_figures``, once per machine, like the fp32 GEMM choice; ``FASTBERT_CPU_INT8=on`` skips that
@@ -16,12 +16,12 @@ runs on this CPU at all. ``fastbert.quantize`` (``quantize.py``) chooses the Lin
 
 import base64
 import hashlib
-import threading
 
 import torch
 from torch import nn
 
-from . import cpu, derived, dispatch, int8_linear, plan
+from .. import cpu, derived, dispatch, plan, run
+from . import linear as int8_linear
 
 ATTRIBUTE = "_fastbert_int8"  # on a chosen nn.Linear: its Choice
 ATTENTION = "_fastbert_int8_attention"  # on a module whose attention runs in int8 (ops/attention_int8.py): up to
@@ -30,7 +30,7 @@ CONFIG_KEY = "fastbert_int8"  # in an encoder's config: its Choices, saved and l
 CONFIG_VERSION = 1
 
 # CPUs that sum u8 x s8 products in int32 (VNNI, AMX) multiply 8-bit weights exactly; the others saturate (module
-# docstring of int8_linear.py) and get 7-bit weights.
+# docstring of linear.py) and get 7-bit weights.
 _INT32_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 # Int8 replaces the fp32 GEMM only when at least this much faster at every measured size (as ONEDNN_MARGIN).
 INT8_MARGIN = 1.1
@@ -203,77 +203,45 @@ def runs_in(model: nn.Module) -> bool:
     return any(chosen(m) is not None for m in model.modules()) and not unavailable_reasons()
 
 
-# --- the rows that are tokens ---------------------------------------------------------------------------------------
-
-_counting = threading.local()  # .current: the ``counting`` of the forward running in this thread, or None
-
-
-class counting:
-    """``with counting(layout):`` the int8 GEMMs called in this thread take their range over ``layout``'s tokens."""
-
-    def __init__(self, layout):
-        self.layout = layout
-        self._masked_rows = None  # a dense batch with padding: its real rows' indices, found once per forward
-
-    def __enter__(self):
-        self.outer = getattr(_counting, "current", None)
-        _counting.current = self
-
-    def __exit__(self, *exc):
-        _counting.current = self.outer
-
-    def rows(self) -> int | torch.Tensor:
-        layout = self.layout
-        if layout.packed or layout.key_padding_mask is None:
-            return layout.tokens
-        if self._masked_rows is None:
-            self._masked_rows = layout.key_padding_mask.flatten().nonzero().squeeze(1)
-        return self._masked_rows
-
-
-def real_rows(x: torch.Tensor) -> int | torch.Tensor:
-    """The rows of ``x`` that are tokens: a count of leading rows, or [R] row indices (a dense batch with padding)."""
-    current = getattr(_counting, "current", None)
-    return x.shape[0] if current is None else current.rows()  # (outside a model forward every row counts)
-
-
 # --- what the GEMM inputs hold: SmoothQuant's divisors and the static scales are computed from it ---------------------
-
-_recording = threading.local()  # .ranges: {nn.Linear: ([in] min, [in] max) per channel} while ``recording``, else None
+# (the activation range of each GEMM is taken over the real tokens only: ``run.real_rows``, from the forward's layout)
 
 
 class recording:
-    """``with recording() as ranges:`` the int8 GEMMs run in this thread keep, per Linear, the smallest and largest
-    value of each input channel over the real tokens, ``ranges[linear] = (low [in], high [in])`` (what
-    ``fastbert.quantize`` smooths by and calibrates static scales with)."""
+    """``with recording() as ranges:`` the int8 GEMMs run here (in the forwards inside it) keep, per Linear, the
+    smallest and largest value of each input channel over the real tokens, ``ranges[linear] = (low [in], high [in])``
+    (what ``fastbert.quantize`` smooths by and calibrates static scales with): a ``run.Run`` watching those forwards
+    (they run op by op, in float32 between the GEMMs: see ``ops/mlp.py``, ``replay/``)."""
 
-    def __enter__(self):
-        self.outer = getattr(_recording, "ranges", None)
-        _recording.ranges = {}
-        return _recording.ranges
+    def __enter__(self) -> dict:
+        self.watch = run.Run(ranges={})
+        return self.watch.__enter__().ranges
 
     def __exit__(self, *exc):
-        _recording.ranges = self.outer
+        self.watch.__exit__(*exc)
 
 
 def is_recording() -> bool:
-    """Whether a ``recording`` runs in this thread."""
-    return getattr(_recording, "ranges", None) is not None
+    """Whether the forward running here is recorded (``recording``)."""
+    current = run.current()
+    return current is not None and current.ranges is not None
 
 
 def record(linears: tuple[nn.Module, ...], x: torch.Tensor) -> None:
     """While ``recording``: the smallest and largest value of each input channel over the real tokens, per Linear."""
-    ranges = getattr(_recording, "ranges", None)
-    if ranges is None:
+    current = run.current()
+    if current is None or current.ranges is None:
         return
-    rows = real_rows(x)
+    rows = current.real_rows(x)
     low, high = torch.aminmax(x[:rows] if isinstance(rows, int) else x.index_select(0, rows), dim=0)  # [in] each
-    merge_ranges({linear: (low, high) for linear in linears}, ranges)
+    merge_ranges({linear: (low, high) for linear in linears}, current.ranges)
 
 
 def merge_ranges(ranges: dict, into: dict | None = None) -> None:
-    """Widen ``into`` (default: the ``recording`` running in this thread, if any) by ``ranges``."""
-    into = getattr(_recording, "ranges", None) if into is None else into
+    """Widen ``into`` (default: the ``recording`` around this call, if any) by ``ranges``."""
+    if into is None:
+        current = run.current()
+        into = None if current is None else current.ranges
     if into is None:
         return
     for linear, (low, high) in ranges.items():

@@ -4,7 +4,7 @@ embeddings stay what they were.
     quantize(model, guard=True, texts=None, tokenizer=None, show_progress_bar=None, attention=True) -> model, in place
 
 1. ``optimize(model)``, then every nn.Linear inside an encoder layer (per layer: QKV, attention output + residual,
-   FFN in + activation, FFN out + residual) is chosen for int8 (``int8.py``). Embeddings, LayerNorms, pooler and
+   FFN in + activation, FFN out + residual) is chosen for int8 (``choices.py``). Embeddings, LayerNorms, pooler and
    heads stay float32; the fp32 parameters stay as they are (state_dict, ``save_pretrained``).
 2. The guard (``guard.py``) compares the int8 model with float32 on real sentences and climbs a ladder of recipes
    (per-call scales, SmoothQuant with per-token scales, layers kept in float32) until they agree, or leaves the
@@ -18,16 +18,17 @@ embeddings stay what they were.
    ``texts``.
 
 What was decided, with the guard's figures and the layers kept in float32, is logged on the ``fastbert`` logger (INFO)
-and listed in ``fastbert.info()["int8"]["models"]`` (``int8_decisions.py``).
+and listed in ``fastbert.info()["int8"]["models"]`` (``decisions.py``).
 """
 
 import torch
 from torch import nn
 
-from . import announce, int8, modeling
+from .. import announce, modeling
+from ..optimize import accelerate
+from . import choices as int8
 from . import guard as int8_guard
-from .int8_decisions import apply_saved, record
-from .optimize import accelerate
+from .decisions import apply_saved, record
 
 
 def quantize(model: nn.Module, *, guard: bool = True, texts: list[str] | None = None, tokenizer=None,

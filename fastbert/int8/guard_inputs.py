@@ -5,7 +5,7 @@ inputs of up to 512 tokens (or the model's limit), so that long inputs are judge
 
 import os
 
-_GUARD_TEXTS = os.path.join(os.path.dirname(__file__), "data", "int8_guard.txt")
+_GUARD_TEXTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "int8_guard.txt")  # (fastbert/data)
 # A sentence with more unknown tokens than this share checks nothing for the model's vocabulary.
 MAX_UNKNOWN = 0.5
 _BATCH = 16

@@ -41,9 +41,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from . import announce, int8, modeling, threads
+from .. import announce, modeling, threads
+from ..ops import attention_int8
+from ..run import Run
+from . import choices as int8
 from .guard_inputs import batches_of, longest_input, tokenizer_of, usable_texts
-from .ops import attention_int8
 
 # What the int8 model must keep of the float32 one on the guard's sentences.
 MIN_MEAN_COSINE = 0.99
@@ -229,11 +231,11 @@ def _int8_attention(layers: list[_Layer], longest: int, figures: dict, judge, pr
     for layer in candidates:
         for module in layer.attention:
             int8.choose_attention(module, longest)
-    launched, declined = attention_int8.launches()
-    quantized = judge()
+    with Run(tally=collections.Counter()) as watch:
+        quantized = judge()
     # (only if every attention of the judged forwards ran the kernel: a dense batch with padding under unpad=False
     # runs torch's float32 SDPA, FASTBERT_BACKEND=torch never the kernel)
-    ran, fell_back = (after - before for after, before in zip(attention_int8.launches(), (launched, declined)))
+    ran, fell_back = watch.tally[attention_int8.LAUNCHED], watch.tally[attention_int8.DECLINED]
     if ran and not fell_back and _passes(quantized):
         return [layer.name for layer in candidates], quantized
     for layer in candidates:

@@ -14,8 +14,9 @@ import threading
 import torch
 from torch import nn
 
-from . import announce, int8
-from .ops import attention_int8
+from .. import announce
+from ..ops import attention_int8
+from . import choices as int8
 
 logger = logging.getLogger("fastbert")
 
