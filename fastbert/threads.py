@@ -186,7 +186,11 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def sample() -> tuple[float, float, float] | None:
     """(monotonic seconds, busy CPU seconds of the CPUs in our mask since boot, this process's CPU seconds), or None
-    where ``/proc/stat`` cannot be read. Two samples give the CPUs others used in between."""
+    where ``/proc/stat`` cannot be read. Two samples give the CPUs others used in between.
+
+    fastbert's one reading of the machine's load: the thread count's estimate below and the check of a one-time
+    measurement (``cpu.py``) both look it up here by name, so what stands in for it (a simulated machine in the
+    tests) stands in for both."""
     try:
         mask = os.sched_getaffinity(0)
         busy = 0

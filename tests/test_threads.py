@@ -3,8 +3,9 @@ that keep working.
 
 - The cgroup quota is read as Linux lays it out (v1 and v2, nested, a container's own root), and a process in a real
   cgroup with a quota below the core count runs that many threads (skipped where no cgroup can be created here).
-- Beside busy processes the forward's thread count drops, and rises again when they stop; ``FASTBERT_NUM_THREADS``
-  fixes it. Outputs stay within fp32 rounding of the full-thread ones.
+- Beside busy processes the forward's thread count drops (real ones), and rises again when they stop (a simulated
+  machine, tests/machine_load.py: the real one may never be quiet); ``FASTBERT_NUM_THREADS`` fixes it. Outputs stay
+  within fp32 rounding of the full-thread ones.
 - A child forked after each parent action (import, optimize, info, quantize with and without its guard, a forward)
   completes its forwards; after a forward in the parent it runs on one thread and says so, where transformers' child
   hangs. Each case is a process whose child has a 60 s alarm: a hang fails the test, it never blocks the suite.
@@ -18,11 +19,12 @@ import sys
 import textwrap
 import time
 
+import machine_load
 import pytest
 import torch
 
 import fastbert
-from fastbert import threads
+from fastbert import cpu, threads
 
 CHILD_ALARM = 60
 
@@ -152,32 +154,84 @@ def test_a_cpu_quota_below_the_core_count_sets_the_thread_count(tmp_path):
     assert "fastbert's CPU forwards run 1" in done.stderr  # said once
 
 
-def test_the_thread_count_follows_the_load(tmp_path):
-    """Beside as many busy processes as CPUs, forwards drop to fewer threads within a few seconds; once they stop,
-    back to all of them. With FASTBERT_NUM_THREADS nothing adapts."""
+@pytest.fixture
+def simulated_load(monkeypatch, tmp_path):
+    """This process's forwards follow the load (no ``FASTBERT_NUM_THREADS``, torch on every CPU) of a simulated
+    machine, quiet to start with (returned: the test sets its ``others``). Measurements go to a store of the test's
+    own, so that nothing measured beside the simulation reaches other tests."""
+    load = machine_load.Load(others=0.0)
+    monkeypatch.setattr(threads, "sample", load)
+    monkeypatch.delenv("FASTBERT_NUM_THREADS", raising=False)
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_figures", {})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads.affinity())
+    threads.reset()
+    yield load
+    torch.set_num_threads(before)
+    threads.reset()  # (the limit is read again at the next forward, once the environment is restored)
+
+
+def test_the_thread_count_follows_the_load(simulated_load, small_bert_config):
+    """On a quiet machine forwards run every CPU; once other processes keep them all busy the count drops to one
+    within a few samples, and when they stop it rises back to every CPU. The machine is simulated
+    (tests/machine_load.py), so the one this runs on may be as busy as it likes."""
     cpus = threads.affinity()
     if cpus < 2:
         pytest.skip("needs 2 CPUs or more")
+    model = fastbert.BertModel(small_bert_config()).eval()
+    with torch.inference_mode():
+        model(torch.ones(2, 16, dtype=torch.long))  # (this machine measured once, however long that takes)
+
+    def counts_until(done, seconds: float) -> list[int]:
+        """The thread counts of forwards run until ``done(counts)`` (at most ``seconds``)."""
+        counts, deadline = [], time.monotonic() + seconds
+        with torch.inference_mode():
+            while not done(counts) and time.monotonic() < deadline:
+                model(torch.ones(2, 16, dtype=torch.long))
+                counts.append(threads.report()["last_forward"])
+                time.sleep(0.05)
+        return counts
+
+    # Long enough for several samples of the load: nothing to follow, every forward on every CPU.
+    quiet = counts_until(lambda counts: False, 4 * threads.SAMPLE_SECONDS)
+    assert set(quiet) == {cpus}, quiet
+    simulated_load.others = cpus
+    loaded = counts_until(lambda counts: counts[-1:] == [1], 60)
+    assert loaded[-1] == 1 and threads.report()["others_cpus"] > 0.5, (loaded, threads.report())
+    simulated_load.others = 0
+    quiet_again = counts_until(lambda counts: counts[-1:] == [cpus], 60)
+    assert quiet_again[-1] == cpus and threads.report()["others_cpus"] <= 0.5, (quiet_again, threads.report())
+
+
+def test_busy_processes_lower_the_thread_count(tmp_path):
+    """Beside as many busy processes as CPUs (read from the machine itself, whatever else keeps it busy), forwards
+    drop to fewer threads. With FASTBERT_NUM_THREADS nothing adapts."""
+    cpus = threads.affinity()
+    if cpus < 2:
+        pytest.skip("needs 2 CPUs or more")
+    # Forwards for at most {seconds} s after a first one (which measures this machine once, however long that takes
+    # beside the busy processes), until one runs fewer threads than there are CPUs.
     script = """
         import json, time, torch, fastbert, transformers
+        from fastbert import threads
         config = transformers.BertConfig(vocab_size=99, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                                          intermediate_size=128)
         model = fastbert.BertModel(config).eval()
-        counts, deadline = [], time.monotonic() + 5
         with torch.inference_mode():
-            while time.monotonic() < deadline:
+            model(torch.ones(2, 16, dtype=torch.long))
+            counts, deadline = [], time.monotonic() + {seconds}
+            while time.monotonic() < deadline and (not counts or counts[-1] >= threads.affinity()):
                 model(torch.ones(2, 16, dtype=torch.long))
-                counts.append(fastbert.info()["threads"]["last_forward"])
+                counts.append(threads.report()["last_forward"])
                 time.sleep(0.05)
         print(json.dumps(dict(counts=counts, info=fastbert.info()["threads"])))
     """
-    quiet = run_python(script, tmp_path)
-    assert quiet["counts"][-1] == cpus
     with busy_processes(cpus):
-        loaded = run_python(script, tmp_path)
-        fixed = run_python(script, tmp_path, FASTBERT_NUM_THREADS=str(cpus))
-    assert min(loaded["counts"]) < cpus and loaded["info"]["others_cpus"] > 0.5
-    assert set(fixed["counts"]) == {cpus} and not fixed["info"]["adapts_to_load"]
+        loaded = run_python(script.replace("{seconds}", "60"), tmp_path)
+        fixed = run_python(script.replace("{seconds}", "5"), tmp_path, FASTBERT_NUM_THREADS=str(cpus))
+    assert min(loaded["counts"]) < cpus and loaded["info"]["others_cpus"] > 0.5, loaded
+    assert set(fixed["counts"]) == {cpus} and not fixed["info"]["adapts_to_load"], fixed
 
 
 def test_fewer_threads_give_the_same_outputs(bert_trio, monkeypatch):
