@@ -18,13 +18,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import machine_load
 import pytest
 import torch
 
 import fastbert
-from fastbert import cpu, threads
+from fastbert import announce, cpu, threads
 
 CHILD_ALARM = 60
 
@@ -172,6 +173,25 @@ def simulated_load(monkeypatch, tmp_path):
     threads.reset()  # (the limit is read again at the next forward, once the environment is restored)
 
 
+def a_model_measured(config) -> torch.nn.Module:
+    """A fastbert model whose first forward (which measures this machine once, however long that takes) is done."""
+    model = fastbert.BertModel(config).eval()
+    with torch.inference_mode():
+        model(torch.ones(2, 16, dtype=torch.long))
+    return model
+
+
+def forwards_until(model, done, seconds: float) -> list[dict]:
+    """``threads.report()`` after each of the forwards run until ``done(reports)`` (at most ``seconds``)."""
+    reports, deadline = [], time.monotonic() + seconds
+    with torch.inference_mode():
+        while not done(reports) and time.monotonic() < deadline:
+            model(torch.ones(2, 16, dtype=torch.long))
+            reports.append(threads.report())
+            time.sleep(0.05)
+    return reports
+
+
 def test_the_thread_count_follows_the_load(simulated_load, small_bert_config):
     """On a quiet machine forwards run every CPU; once other processes keep them all busy the count drops to one
     within a few samples, and when they stop it rises back to every CPU. The machine is simulated
@@ -179,29 +199,40 @@ def test_the_thread_count_follows_the_load(simulated_load, small_bert_config):
     cpus = threads.affinity()
     if cpus < 2:
         pytest.skip("needs 2 CPUs or more")
-    model = fastbert.BertModel(small_bert_config()).eval()
-    with torch.inference_mode():
-        model(torch.ones(2, 16, dtype=torch.long))  # (this machine measured once, however long that takes)
-
-    def counts_until(done, seconds: float) -> list[int]:
-        """The thread counts of forwards run until ``done(counts)`` (at most ``seconds``)."""
-        counts, deadline = [], time.monotonic() + seconds
-        with torch.inference_mode():
-            while not done(counts) and time.monotonic() < deadline:
-                model(torch.ones(2, 16, dtype=torch.long))
-                counts.append(threads.report()["last_forward"])
-                time.sleep(0.05)
-        return counts
-
+    model = a_model_measured(small_bert_config())
     # Long enough for several samples of the load: nothing to follow, every forward on every CPU.
-    quiet = counts_until(lambda counts: False, 4 * threads.SAMPLE_SECONDS)
+    quiet = [r["last_forward"] for r in forwards_until(model, lambda reports: False, 4 * threads.SAMPLE_SECONDS)]
     assert set(quiet) == {cpus}, quiet
     simulated_load.others = cpus
-    loaded = counts_until(lambda counts: counts[-1:] == [1], 60)
-    assert loaded[-1] == 1 and threads.report()["others_cpus"] > 0.5, (loaded, threads.report())
+    loaded = forwards_until(model, lambda reports: reports[-1:] and reports[-1]["last_forward"] == 1, 60)
+    assert loaded[-1]["last_forward"] == 1 and loaded[-1]["others_cpus"] > 0.5, loaded
     simulated_load.others = 0
-    quiet_again = counts_until(lambda counts: counts[-1:] == [cpus], 60)
-    assert quiet_again[-1] == cpus and threads.report()["others_cpus"] <= 0.5, (quiet_again, threads.report())
+    quiet_again = forwards_until(model, lambda reports: reports[-1:] and reports[-1]["last_forward"] == cpus, 60)
+    assert quiet_again[-1]["last_forward"] == cpus and quiet_again[-1]["others_cpus"] <= 0.5, quiet_again
+
+
+def test_fewer_threads_are_said_once_with_the_latest_figure_in_info(simulated_load, small_bert_config, monkeypatch):
+    """However often the load's figure changes, forwards running fewer threads are said once per process, and
+    ``fastbert.info()`` (``python -m fastbert.info``) has the latest figure."""
+    cpus = threads.affinity()
+    if cpus < 2:
+        pytest.skip("needs 2 CPUs or more")
+    monkeypatch.setattr(announce, "_notes", {})  # (what earlier tests in this process said)
+    model = a_model_measured(small_bert_config())
+    simulated_load.others = cpus
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        # until the estimate of the others' CPUs has taken three values while forwards ran fewer threads
+        loaded = forwards_until(model, lambda reports: len({r["others_cpus"] for r in reports
+                                                            if r["last_forward"] < cpus}) >= 3, 60)
+    fewer = [r for r in loaded if r["last_forward"] < cpus]
+    assert len({r["others_cpus"] for r in fewer}) >= 3, loaded
+    busy_notes = [str(w.message) for w in said if "other processes keep" in str(w.message)]
+    assert len(busy_notes) == 1, busy_notes
+    report = fastbert.info()
+    assert report["notes"][busy_notes[0].removeprefix("fastbert: ")] == len(fewer)
+    assert report["threads"]["others_cpus"] == loaded[-1]["others_cpus"]
+    assert f"other processes keeping about {loaded[-1]['others_cpus']:g} CPUs busy" in fastbert.info.summary(report)
 
 
 def test_busy_processes_lower_the_thread_count(tmp_path):
