@@ -8,6 +8,7 @@
     fastbert.AutoModelForSequenceClassification.from_pretrained(path)   # transformers' Auto classes, accelerated
     fastbert.quantize(model)                # CPU: int8 GEMMs, checked against float32 on real sentences first
     fastbert.cuda_graphs(model)             # GPU: replay the encoder from CUDA graphs, one per shape bucket
+    fastbert.corpus.Embedder(path).embed(texts)   # a corpus, SentenceTransformer.encode's vectors, in any engine
     fastbert.info()                         # what runs here, and why
 """
 
@@ -46,11 +47,14 @@ else:
     from .int8.quantize import quantize
     from .validation import set_input_checks
 
+    # fastbert.corpus.Embedder works after a plain `import fastbert` (about 1 ms more: its imports are loaded by then).
+    from . import corpus
+
     __all__ = [
         "BertModel", "RobertaModel", "XLMRobertaModel", "CamembertModel", "ElectraModel", "DistilBertModel",
         "AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
         "AutoModelForQuestionAnswering", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
-        "optimize", "quantize", "cuda_graphs", "info", "set_input_checks", "clear_caches", "__version__",
+        "optimize", "quantize", "cuda_graphs", "info", "corpus", "set_input_checks", "clear_caches", "__version__",
     ]
     # (families of newer transformers: see fastbert.models)
     for _name in ("GteModel", "NomicBertModel", "ModernBertModel", "MPNetModel", "DebertaV2Model", "DebertaModel"):

@@ -99,11 +99,16 @@ def summary(report: dict) -> str:
     versions = report["versions"]
     cpu_info, threads_info = report["cpu"], report["threads"]
     flags = [flag for flag, present in cpu_info["flags"].items() if present]
+    last_forward = "" if threads_info["last_forward"] is None else (
+        f"; the last CPU forward ran {threads_info['last_forward']}" + (
+            f", other processes keeping about {threads_info['others_cpus']:g} CPUs busy"
+            if threads_info["adapts_to_load"] else ""))
     lines = [f"fastbert {versions['fastbert']}: torch {versions['torch']}, transformers {versions['transformers']}, "
              f"triton {versions['triton'] or 'not installed'}, Python {versions['python']}",
              f"CPU: {cpu_info['model']}, {cpu_info['cores']} CPUs ({' '.join(flags) or 'no AVX2'})",
              f"threads: {threads_info['limit']} ({threads_info['why']}; torch's: {threads_info['torch']})"
-             + ("; fewer while other processes keep the CPUs busy" if threads_info["adapts_to_load"] else "")]
+             + ("; fewer while other processes keep the CPUs busy" if threads_info["adapts_to_load"] else "")
+             + last_forward]
     if report["ext_error"]:
         lines.append(f"extension: not loaded: {report['ext_error']}")
     else:

