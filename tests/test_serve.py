@@ -304,7 +304,7 @@ def test_a_full_queue_answers_429_with_retry_after(minilm, tmp_path):
 def test_sigterm_answers_every_accepted_request_then_exits_0(minilm, tmp_path):
     """24 requests of 32 long inputs are accepted (several seconds of work), then SIGTERM: each gets its 200 with
     every vector, the process exits 0, and it accepts nothing after."""
-    server = Server(minilm, tmp_path=tmp_path)
+    server = Server(minilm, "--graceful-shutdown-seconds", "300", tmp_path=tmp_path)
 
     async def load_then_terminate():
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
