@@ -15,8 +15,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from fastbert.serve import tokens as tokens_module
 from fastbert.serve.tokens import Tokens
 
-PIECES = ["the", "cat", "Zürich", "naïve", "über", "supercalifragilistic" * 3, "x" * 150, "日本語の文章", "中文", "  ",
-          "\n", "\t", " ", ",", "...", "İstanbul", "ΟΔΟΣ", "42", "1,000", "a", "😀", "\u0301", "\u200b", "don't"]
+PIECES = ["the", "cat", "Zürich", "naïve", "über", "supercalifragilistic" * 3, "x" * 150, "日本語の文章", "中文",
+          "  ", "\n", "\t", " ", ",", "...", "İstanbul", "ΟΔΟΣ", "42", "1,000", "a", "😀", "\u0301", "\u200b",
+          "don't"]
 
 
 def texts(rng: random.Random, count: int, most_pieces: int) -> list[str]:
