@@ -12,15 +12,16 @@ plain encoder serves embeddings (its pooling, normalization and ``max_seq_length
 prefixes and tokenized off the event loop (``tokens.py``), their token ids run back to back in batches under a token
 budget, interactive requests first, by one or more model instances (``batcher.py``), and the routes
 (``handlers.py``, on the app of ``app.py``, with ``protocol.py``'s checks and errors) answer in OpenAI's shapes,
-with Prometheus metrics (``metrics.py``). Binds to 127.0.0.1 unless told otherwise; SIGTERM answers what was
+with Prometheus metrics (``metrics.py``); a large request gives the memory it freed back (``memory.py``). Binds to 127.0.0.1 unless told otherwise; SIGTERM answers what was
 accepted within a grace period, then exits 0.
 
 ``create_app`` needs the ``serve`` extra (``extra.py``); ``load``, the engines and the command's ``--help`` do not.
 """
 
 from . import extra
-from .cli import allocator_advice, main
+from .cli import main
 from .engine import Embeddings, Scores, load
+from .memory import allocator_advice
 
 __all__ = ["create_app", "load", "Embeddings", "Scores", "main", "allocator_advice"]
 

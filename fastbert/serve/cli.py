@@ -10,6 +10,7 @@ import signal
 
 from .. import __version__, threads
 from . import engine, extra
+from .memory import allocator_advice
 
 CPUS_PER_INSTANCE = 4  # threads of one model instance, where --instances is left to its default
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                              name=args.served_model_name)
     except (OSError, ValueError) as error:  # (transformers' messages span lines: one line here)
         command.exit(1, f"{command.prog}: error: {' '.join(str(error).split())}\n")
-    from .app import create_app
+    from .app import create_app  # (the serve extra: checked above)
 
     instances = args.instances or default_instances(args.device)
     app = create_app(served, max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
@@ -138,24 +139,3 @@ def _serve(app, args, logger) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_seconds)
     Server(config).run()
-
-
-def allocator_advice() -> str | None:
-    """What to say when this process allocates with glibc's malloc (None under tcmalloc or jemalloc, or where it
-    cannot be told). A server's batches have a new shape nearly every time, and glibc's heap keeps growing with
-    them, as it does under transformers; tcmalloc keeps the memory flat (docs/serving.md, "Memory")."""
-    import ctypes.util
-
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        return None
-    if "libc.so" not in maps or "tcmalloc" in maps or "jemalloc" in maps:
-        return None
-    # (tcmalloc only: the allocator measured, benchmarks/memory.py)
-    found = next(filter(None, map(ctypes.util.find_library, ("tcmalloc_minimal", "tcmalloc"))), None)
-    remedy = f"start it with LD_PRELOAD={found}" if found else "install tcmalloc (libtcmalloc-minimal4, gperftools)"
-    return ("memory: glibc's malloc, whose heap grows with new batch shapes (resident memory keeps rising); "
-            f"{remedy} to keep it flat (docs/serving.md, Memory)")
-

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from . import memory
 from .batcher import QueueFull
 from .engine import InputError, describe
 from .protocol import (ApiError, check_model, documents_of, error_response, inputs_of, json_response, positive_int,
@@ -209,7 +210,7 @@ def endpoint(route: str, handler, public: bool = False):
 
     async def answer(request: Request) -> Response:
         state = request.app.state
-        request.state.arrived, request.state.finished = time.perf_counter(), None
+        request.state.arrived, request.state.finished, request.state.body_bytes = time.perf_counter(), None, 0
         try:
             if not public and state.api_key is not None and not _authorized(request, state.api_key):
                 raise ApiError(401, "missing or incorrect API key (send Authorization: Bearer <key>)",
@@ -220,6 +221,8 @@ def endpoint(route: str, handler, public: bool = False):
         except Exception as error:  # noqa: BLE001 - a failed forward: this request's 500, the server goes on
             response = error_response(ApiError(500, f"the server failed on this request: {type(error).__name__}: "
                                                     f"{error}", kind="server_error"))
+        if request.state.body_bytes >= memory.LARGE_BODY:  # (its body and text are freed by now)
+            await asyncio.get_running_loop().run_in_executor(None, memory.give_back)
         now = time.perf_counter()
         state.metrics.request(route, response.status_code, now - request.state.arrived)
         if request.state.finished is not None:

@@ -40,6 +40,7 @@ async def read_body(request: Request, max_bytes: int) -> dict:
         raw += chunk
         if len(raw) > max_bytes:
             raise ApiError(413, f"the body has more than this server's {max_bytes} bytes")
+    request.state.body_bytes = len(raw)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as error:
