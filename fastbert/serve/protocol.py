@@ -38,9 +38,9 @@ async def read_body(request: Request, max_bytes: int) -> dict:
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
+        request.state.body_bytes = len(raw)  # (what the request held: memory.give_back after a large one)
         if len(raw) > max_bytes:
             raise ApiError(413, f"the body has more than this server's {max_bytes} bytes")
-    request.state.body_bytes = len(raw)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as error:
