@@ -47,21 +47,28 @@ def prepare(model, inputs: dict, graph_safe: bool = False, unpad: bool | None = 
     return _to_device(model, *_bucketed(model, indices, layout))
 
 
-def prepare_packed(model, input_ids: torch.Tensor, seqlens: tuple[int, ...]) -> tuple[torch.Tensor,
-                                                                                      padding.TokenLayout]:
-    """Sequences back to back: input_ids [N] (sequence b the next ``seqlens[b]`` ids) -> (indices [3, N], the packed
-    layout), token types 0 and positions numbered per sequence (``FusedModel.packed_position_ids``)."""
-    if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids must be a 1-D int64 tensor of token ids, got {tuple(input_ids.shape)} "
-                         f"{input_ids.dtype}")
+def prepare_packed(model, input_ids: torch.Tensor, seqlens: tuple[int, ...],
+                   token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, padding.TokenLayout]:
+    """Sequences back to back: input_ids [N] (sequence b the next ``seqlens[b]`` ids), token_type_ids [N] or None
+    (zeros) -> (indices [3, N], the packed layout), positions numbered per sequence
+    (``FusedModel.packed_position_ids``). A family without token types ignores them, as transformers does."""
+    for name, value in (("input_ids", input_ids), ("token_type_ids", token_type_ids)):
+        if value is not None and (value.dim() != 1 or value.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"{name} must be a 1-D int64 tensor of token ids, got {tuple(value.shape)} "
+                             f"{value.dtype}")
+    if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
+        raise ValueError(f"token_type_ids must have one type per id: {token_type_ids.shape[0]} types for "
+                         f"{input_ids.shape[0]} ids")
     if not seqlens or min(seqlens) < 1 or sum(seqlens) != input_ids.shape[0]:
         raise ValueError(f"seqlens must be >= 1 each and add up to the {input_ids.shape[0]} ids, got "
                          f"{list(seqlens)[:8]}{'...' if len(seqlens) > 8 else ''}")
     ids = input_ids.long().cpu()
+    types = torch.zeros_like(ids) if token_type_ids is None or model.embeddings.table("token_type") is None \
+        else token_type_ids.long().cpu()
     lengths = torch.tensor(seqlens)
     starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # [N]: its sequence's first row
     positions = model.packed_position_ids(ids, starts)
-    indices, _ = validation.flat_indices(ids[None], torch.zeros_like(ids)[None], positions[None], limits(model),
+    indices, _ = validation.flat_indices(ids[None], types[None], positions[None], limits(model),
                                          "positions (numbered within each sequence)")
     return _to_device(model, *_bucketed(model, indices, padding.packed_layout(seqlens, torch.device("cpu"))))
 

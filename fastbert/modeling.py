@@ -183,11 +183,13 @@ class FusedModel(layers.Fused):
             outputs["pooler_output"] = None if pooler is None else pooler(first)
         return self.output_class(**outputs)
 
-    def forward_packed(self, input_ids: torch.Tensor, seqlens) -> torch.Tensor:
+    def forward_packed(self, input_ids: torch.Tensor, seqlens, token_type_ids: torch.Tensor | None = None,
+                       ) -> torch.Tensor:
         """Sequences back to back, no padding anywhere: input_ids [N] int (sequence b is the next ``seqlens[b]`` ids,
-        each at least 1) -> the last hidden state [N, hidden] of each token, for inference. Token types are 0 and
-        positions are numbered as the family numbers a sequence of its own (``packed_position_ids``). What a server
-        runs: requests' token ids go in as they are, and no [batch, seq_len] tensor is ever built."""
+        each at least 1), token_type_ids [N] int or None (zeros: a pair's second text has type 1) -> the last hidden
+        state [N, hidden] of each token, for inference. Positions are numbered as the family numbers a sequence of
+        its own (``packed_position_ids``). What a server runs: requests' token ids go in as they are, and no
+        [batch, seq_len] tensor is ever built (a head reading position 0 reads each sequence's first row)."""
         seqlens = tuple(int(n) for n in seqlens)
         why = compat.why_transformers(self, {})
         if why is not None:
@@ -195,7 +197,7 @@ class FusedModel(layers.Fused):
                              "(call the model on a padded batch instead)")
         word = self.get_input_embeddings().weight
         with _entering(plans.for_model(self, word.device, word.dtype, False)):
-            indices, layout = inputs.prepare_packed(self, input_ids, seqlens)
+            indices, layout = inputs.prepare_packed(self, input_ids, seqlens, token_type_ids)
             with _within_run(layout), _cpu_threads(layout, word.device):
                 x = self.embed(indices, None)
                 layout, positions = self.positions(indices, layout)

@@ -14,6 +14,10 @@ every ``SAMPLE_SECONDS`` (the CPU time of the machine's CPUs in our mask, minus 
 neighbour lowers the count within a second and its end raises it again. ``FASTBERT_NUM_THREADS=N`` fixes the count
 instead (then nothing adapts). ``fastbert.info()["threads"]`` says what was chosen and why.
 
+A thread that is one of several running forwards side by side (``fastbert serve --instances``: ``one_of``) runs its
+share of each: of the limit (or of ``FASTBERT_NUM_THREADS``) and of the CPUs other processes leave free, so that
+together they never run more threads than the process has CPUs.
+
 Fork: GNU OpenMP's thread pool belongs to the thread that started it and does not survive ``fork``; a child whose
 forking thread had a pool hangs at its first parallel region (with transformers as with fastbert). fastbert's own
 one-time work (measurements, trial GEMMs, the int8 guard) therefore runs in a short-lived thread of its own
@@ -158,10 +162,10 @@ def limit() -> _Limit:
 
 def most() -> int:
     """The most threads a forward runs now: torch's thread count as the caller set it (outside any fastbert forward)
-    within the process's limit, or the fixed count."""
+    within the process's limit, or the fixed count (this thread's share of it: ``one_of``)."""
     cap = limit()
     if cap.fixed is not None:
-        return cap.fixed
+        return max(1, cap.fixed // _parts())
     threads = getattr(_state, "outer", None) or torch.get_num_threads()
     if cap.threads < threads:
         announce.note(f"torch runs {threads} threads, but this process may use {cap.threads} CPU(s) ({cap.why}): "
@@ -241,7 +245,8 @@ _load = _Load()
 # --- the count a forward runs -----------------------------------------------------------------------------------------
 
 _state = threading.local()  # .parallel: this thread ran a multi-threaded fastbert forward (its OpenMP pool exists);
-#                             .outer: torch's thread count outside the fastbert forward running in this thread
+#                             .outer: torch's thread count outside the fastbert forward running in this thread;
+#                             .parts: this thread is one of that many running forwards side by side (``one_of``)
 _forked_with_pool = False  # this process was forked from a thread with an OpenMP pool: one thread, or it hangs
 _last = None  # the count the last forward ran
 
@@ -259,7 +264,7 @@ def for_forward() -> int:
     count = most()
     if cap.fixed is None and count > 1:
         others = _load.others_now()
-        free = max(1, math.floor(cap.affinity - others + 0.5))
+        free = max(1, math.floor((cap.affinity - others) / _parts() + 0.5))  # (the forwards beside ours are ours)
         if free < count:
             # One message whatever the figure (said once per process): the figure, which changes with every
             # sample, is in report().
@@ -271,6 +276,23 @@ def for_forward() -> int:
             count = free
     _last = count
     return count
+
+
+def one_of(parts: int) -> int:
+    """Make the calling thread one of ``parts`` threads that run CPU forwards side by side (a server's model
+    instances): its forwards run its share, ``limit // parts`` threads (of ``FASTBERT_NUM_THREADS`` where set; at
+    least one), and its share of the CPUs other processes leave free. torch's thread count is set to the share once
+    here, so that forwards do not move the process-wide count (torch's and MKL's) back and forth under each other.
+    Returns the share."""
+    _state.parts = parts
+    cap = limit()
+    share = max(1, (cap.fixed or cap.threads) // parts)
+    torch.set_num_threads(share)
+    return share
+
+
+def _parts() -> int:
+    return getattr(_state, "parts", 1)
 
 
 class running:

@@ -1,12 +1,17 @@
 """``fastbert serve`` as users run it: a server process on loopback, talked to through the official ``openai`` client
 (and httpx for the routes OpenAI has no method for), bounded in time.
 
-- Embeddings equal sentence-transformers' ``encode`` on the real all-MiniLM-L6-v2 (1 to ~600 tokens, float and
-  base64, ``dimensions``, token-id inputs, usage); rerank equals a ``CrossEncoder``'s scores; classify gives its
-  probabilities.
+- Embeddings equal sentence-transformers' ``encode`` on the real all-MiniLM-L6-v2 (1 to ~600 tokens and texts of
+  tens of KB, float and base64, ``dimensions``, token-id inputs, usage), served by two model instances; rerank equals
+  a ``CrossEncoder``'s scores, with queries and documents of tens of KB too; classify gives its probabilities.
 - Every bad request gets its 4xx with OpenAI's error body (never a 5xx or a dropped connection); an API key guards
   every route but /health; a tiny queue answers 429 with Retry-After; /metrics parses as Prometheus text.
-- SIGTERM in the middle of a concurrent load: every accepted request is answered, the process exits 0.
+- One heavy request (a 15 MB input; a rerank of a 70 KB query and 2,048 documents) does not stall small ones beside
+  it, and the memory it took is given back.
+- SIGTERM in the middle of a concurrent load: every accepted request is answered, the process exits 0; a client
+  holding a half-sent body keeps it up for the grace period only; a second SIGTERM ends it at once.
+- The command fails in one line, without a traceback, on a missing folder, a port outside 1-65535, a GPU that is
+  not there, options that do not go together and a missing serve extra; --help and --version.
 """
 
 import asyncio
@@ -22,6 +27,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+
+import fastbert
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -98,7 +105,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def embedding_server(minilm, tmp_path_factory):
-    server = Server(minilm, tmp_path=tmp_path_factory.mktemp("embedding-server"))
+    server = Server(minilm, "--instances", "2", tmp_path=tmp_path_factory.mktemp("embedding-server"))
     yield server
     assert server.stop() == 0, server.output()
 
@@ -230,6 +237,7 @@ ERRORS = [  # (method, path, body (dict, or raw bytes), status, a fragment of th
     ("POST", "/v1/embeddings", {"input": "a " * 600, "truncate": False}, 400, "more than the model's 256"),
     ("POST", "/v1/embeddings", {"input": "a", "truncate": "yes"}, 400, "truncate must be"),
     ("POST", "/v1/embeddings", {"input": ["a"] * 2049}, 400, "more than 2048"),
+    ("POST", "/v1/embeddings", {"input": "a", "priority": "urgent"}, 400, "priority must be one of"),
     ("POST", "/v1/rerank", {"query": "a", "documents": ["b"]}, 400, "rerank needs a cross-encoder"),
     ("GET", "/v1/embeddings", None, 405, "not allowed"),
     ("GET", "/v2/anything", None, 404, "no route"),
@@ -271,7 +279,7 @@ def test_metrics_parse_as_prometheus_text(embedding_server):
     run(_embed_many(embedding_server, 3))
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{embedding_server.url}/metrics").text)}
     assert {"fastbert_requests", "fastbert_request_seconds", "fastbert_batch_tokens", "fastbert_queue_requests",
-            "fastbert_tokens"} <= set(families)
+            "fastbert_tokens", "fastbert_queue_wait_seconds", "fastbert_response_seconds"} <= set(families)
     answered = [s for s in families["fastbert_requests"].samples
                 if s.labels.get("route") == "embeddings" and s.labels.get("status") == "200"]
     assert answered and answered[0].value >= 3
@@ -304,7 +312,7 @@ def test_a_full_queue_answers_429_with_retry_after(minilm, tmp_path):
 def test_sigterm_answers_every_accepted_request_then_exits_0(minilm, tmp_path):
     """24 requests of 32 long inputs are accepted (several seconds of work), then SIGTERM: each gets its 200 with
     every vector, the process exits 0, and it accepts nothing after."""
-    server = Server(minilm, tmp_path=tmp_path)
+    server = Server(minilm, "--graceful-shutdown-seconds", "300", tmp_path=tmp_path)
 
     async def load_then_terminate():
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
@@ -341,3 +349,202 @@ def test_a_client_that_disconnects_stops_costing_work(embedding_server):
     assert small.status_code == 200 and seconds < 20, seconds
     metrics = httpx.get(f"{embedding_server.url}/metrics").text
     assert 'fastbert_requests_total{route="embeddings",status="499"}' in metrics
+
+
+# --- heavy requests ---------------------------------------------------------------------------------------------------
+
+
+LONG_TEXTS = [
+    " ".join(texts_of([12000], seed=4)),  # ~70 KB of words
+    "a" + " " * 20000 + texts_of([400], seed=5)[0],  # a run of spaces longer than the first cut
+    "x" * 5000 + " " + texts_of([400], seed=6)[0],  # one word longer than the first cut
+    "日本語の文章です。" * 2000,  # text without spaces
+    "\n".join(texts_of([1] * 3000, seed=7)),  # words on lines of their own
+]
+
+
+def test_long_inputs_are_cut_as_sentence_transformers_cuts_them(embedding_server, minilm):
+    expected = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode(LONG_TEXTS)
+
+    async def ask():
+        async with embedding_server.client() as client:
+            return await client.embeddings.create(model="model", input=LONG_TEXTS, encoding_format="float")
+
+    response = run(ask())
+    np.testing.assert_allclose(_vectors(response), expected, rtol=0, atol=1e-5)
+    assert response.usage.prompt_tokens == 256 * len(LONG_TEXTS)
+
+
+def _resident_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+# A small request's extra delay beside a heavy one, at most. The aim is 100 ms; on a shared 2-core machine whose
+# other processes (and this test's own client, sending 15 MB) take the CPUs at will, a second is what holds under
+# any load -- and still a tenth of what these requests cost before inputs were bounded (15 s and 57 s).
+EXTRA_DELAY = 1.0
+
+
+async def _beside(client, post_small, heavy) -> tuple[list[float], list[float], object]:
+    """(the small request's quiet latencies, its latencies while ``heavy`` runs, heavy's response): small requests
+    one after another until the heavy one is answered (five at least)."""
+    async def small() -> float:
+        start = time.monotonic()
+        response = await post_small(client)
+        assert response.status_code == 200, response.text
+        return time.monotonic() - start
+
+    quiet = [await small() for _ in range(5)]
+    running = asyncio.ensure_future(heavy(client))
+    beside = []
+    while not running.done() or len(beside) < 5:
+        beside.append(await small())
+    return quiet, beside, await running
+
+
+def test_a_15_mb_input_does_not_stall_small_requests(embedding_server, minilm):
+    """A 15 MB input is cut before it is tokenized: it is answered with its first 256 tokens' vector within
+    seconds, the one-input requests sent beside it are not delayed by more than ``EXTRA_DELAY``, and the server's
+    memory is back within 10 % after it (it was 1.8 GB more when the whole text was tokenized)."""
+    sentence = "the cat sat on the mat under the night light in Zürich, "
+    heavy_text = sentence * (15_000_000 // len(sentence))
+    expected = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode([heavy_text[:20_000]])[0]
+    body = json.dumps({"input": heavy_text}).encode()
+    url = f"{embedding_server.url}/v1/embeddings"
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            for text in ("a small request", heavy_text[:20_000]):  # (the batch shapes to come: their memory is not
+                await client.post(url, json={"input": text})     # the large body's)
+            before = _resident_mb(embedding_server.process.pid)
+            start = time.monotonic()
+            quiet, beside, heavy = await _beside(
+                client, lambda c: c.post(url, json={"input": "a small request"}),
+                lambda c: c.post(url, content=body, headers={"content-type": "application/json"}))
+            return quiet, beside, heavy, time.monotonic() - start, before, _resident_mb(embedding_server.process.pid)
+
+    quiet, beside, heavy, seconds, before, after = run(scenario())
+    assert heavy.status_code == 200, heavy.text[:2000]
+    np.testing.assert_allclose(heavy.json()["data"][0]["embedding"], expected, rtol=0, atol=1e-5)
+    assert seconds < 30, seconds
+    assert max(beside) <= max(quiet) + EXTRA_DELAY, (quiet, beside)
+    assert after <= 1.1 * before, (before, after)
+
+
+def test_a_rerank_of_a_long_query_and_2048_documents_is_refused_first(scoring_server):
+    """A 70 KB query and 2,048 documents: each pair would hold the model's 512 tokens, past the request's 300,000.
+    The query is tokenized once and the request refused before any document is; a classify sent beside it is not
+    delayed by more than ``EXTRA_DELAY`` (it waited 57 s when the query was tokenized once per document)."""
+    headers = {"Authorization": "Bearer sekret"}
+    query = " ".join(texts_of([12000], seed=8))
+    documents = texts_of([8] * 2048, seed=9)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120, headers=headers) as client:
+            return await _beside(
+                client, lambda c: c.post(f"{scoring_server.url}/v1/classify", json={"input": "a small request"}),
+                lambda c: c.post(f"{scoring_server.url}/v1/rerank", json={"query": query, "documents": documents}))
+
+    quiet, beside, heavy = run(scenario())
+    assert heavy.status_code == 400 and "at least 1048576 tokens" in heavy.json()["error"]["message"]
+    assert max(beside) <= max(quiet) + EXTRA_DELAY, (quiet, beside)
+
+
+def test_rerank_of_long_queries_and_documents_equals_a_cross_encoder(scoring_server, cross_encoder):
+    """Both texts longer than the model: each keeps half of the 509 tokens left by the special tokens, and the longer
+    whole text the odd one -- longer, shorter, of equal length, and short documents."""
+    query = " ".join(texts_of([12000], seed=10))
+    documents = [" ".join(texts_of([20000], seed=11)), " ".join(texts_of([2000], seed=12)), query,
+                 texts_of([6], seed=13)[0], " ".join(texts_of([300], seed=14))]
+    expected = sentence_transformers.CrossEncoder(cross_encoder, device="cpu").predict([(query, d) for d in documents])
+    response = httpx.post(f"{scoring_server.url}/v1/rerank", headers={"Authorization": "Bearer sekret"}, timeout=120,
+                          json={"query": query, "documents": documents})
+    assert response.status_code == 200, response.text
+    got = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+    np.testing.assert_allclose([got[i] for i in range(len(documents))], expected, rtol=0, atol=1e-5)
+    assert response.json()["usage"]["prompt_tokens"] == 512 * len(documents)
+
+
+# --- shutdown ---------------------------------------------------------------------------------------------------------
+
+
+def _half_sent(port: int) -> socket.socket:
+    """A connection holding a request whose body is 10 of the 1,000 bytes it announces."""
+    connection = socket.create_connection(("127.0.0.1", port))
+    connection.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000\r\n\r\n{\"input\": ")
+    time.sleep(0.5)
+    return connection
+
+
+def test_a_half_sent_body_keeps_the_server_up_for_the_grace_only(minilm, tmp_path):
+    server = Server(minilm, "--graceful-shutdown-seconds", "2", tmp_path=tmp_path)
+    with _half_sent(server.port):
+        start = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        returncode = server.process.wait(timeout=120)
+        seconds = time.monotonic() - start
+    assert returncode == 0, server.output()
+    assert 1.5 <= seconds < 30, seconds
+
+
+def test_a_second_sigterm_ends_the_server_at_once(minilm, tmp_path):
+    server = Server(minilm, "--graceful-shutdown-seconds", "300", tmp_path=tmp_path)
+    with _half_sent(server.port):
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert server.process.poll() is None  # (in its grace: the half-sent request may still come)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == -signal.SIGTERM
+
+
+# --- the command ------------------------------------------------------------------------------------------------------
+
+
+def _command(*args: str, script: str | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "fastbert", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+MISTAKES = [  # (arguments, with MODEL for the real folder; a fragment of the one-line error)
+    (("/no/such/folder",), "/no/such/folder: no such folder"),
+    (("MODEL", "--port", "70000"), "'70000' is not a port number from 1 to 65535"),
+    (("MODEL", "--port", "0"), "'0' is not a port number from 1 to 65535"),
+    (("MODEL", "--int8", "--dtype", "float16"), "int8 quantizes a float32 model"),
+    (("MODEL", "--instances", "0"), "'0' is not a number >= 1"),
+    (("MODEL", "--device", "tpu"), "device 'tpu': expected cpu, cuda or cuda:N"),
+]
+if not torch.cuda.is_available():
+    MISTAKES.append((("MODEL", "--device", "cuda"), "this machine has no CUDA GPU"))
+
+
+@pytest.mark.parametrize("arguments, fragment", MISTAKES, ids=[" ".join(a[1:]) or a[0] for a, _ in MISTAKES])
+def test_the_command_fails_in_one_line(minilm, arguments, fragment):
+    done = _command("serve", *(minilm if a == "MODEL" else a for a in arguments))
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("fastbert serve: error: ") and fragment in last, done.stderr[-3000:]
+
+
+WITHOUT_THE_EXTRA = """
+import sys
+for name in ("starlette", "uvicorn", "prometheus_client", "orjson"):
+    sys.modules[name] = None  # as if the serve extra were not installed
+from fastbert.__main__ import main
+"""
+
+
+def test_help_and_version_without_the_serve_extra(minilm):
+    helped = _command(script=WITHOUT_THE_EXTRA + "main(['serve', '--help'])")
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "(default: 8000)" in helped.stdout and "examples:" in helped.stdout and "``" not in helped.stdout
+    version = _command("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"fastbert {fastbert.__version__}"
+    served = _command(script=WITHOUT_THE_EXTRA + f"main(['serve', {minilm!r}])")
+    assert served.returncode == 1 and "Traceback" not in served.stderr
+    assert served.stderr.strip().splitlines()[-1].endswith('pip install "fastbert[serve]"'), served.stderr[-3000:]
+    imported = _command(script=WITHOUT_THE_EXTRA + "from fastbert.serve import create_app")
+    assert 'ModuleNotFoundError: fastbert serve needs starlette, uvicorn, prometheus_client, orjson, which the serve ' \
+           'extra installs: pip install "fastbert[serve]"' in imported.stderr

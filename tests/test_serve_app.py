@@ -1,8 +1,11 @@
 """``fastbert.serve.create_app`` in process, on the real all-MiniLM-L6-v2: what the batching promises (a long request
-never starves a short one; a failed batch fails its own requests only and the server goes on), classify's labels,
-and the app mounted inside another ASGI app."""
+never starves a short one; interactive requests go before bulk ones, and bulk ones still get their share under a
+flood of interactive work; a failed batch fails its own requests only and the server goes on), where a request's
+time goes in the metrics, classify's labels, the served name, and the app mounted inside another ASGI app."""
 
 import asyncio
+import os
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ from starlette.applications import Starlette  # noqa: E402
 from starlette.routing import Mount  # noqa: E402
 
 from fastbert.serve import create_app, load  # noqa: E402
-from fastbert.serve.engine import Scores  # noqa: E402
+from fastbert.serve.engine import Scores, served_name  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,105 @@ def test_a_long_request_does_not_starve_a_short_one(engine):
     long, short = asyncio.run(scenario())
     app.state.batcher.close()
     assert long.status_code == short.status_code == 200 and finished == ["short", "long"]
+
+
+SENTENCE = "a sentence of about ten words in it, give or take"  # ~13 tokens; twice: ~25
+
+
+async def _queued(client, at_least: int = 1) -> None:
+    """Returns once the server's queue holds ``at_least`` requests (their sequences tokenized, not all taken)."""
+    while (await client.get("/health")).json()["queued_requests"] < at_least:
+        await asyncio.sleep(0.01)
+
+
+def test_interactive_requests_go_before_bulk_ones(engine):
+    """A bulk request of 96 inputs is queued, then an interactive one of 32 (two inputs a batch): the interactive
+    one is answered first, though the bulk one came first and had fewer sequences left to run (in arrival order it
+    would finish first). Both say so in the metrics' queue wait."""
+    app = create_app(engine, max_batch_tokens=64)
+    finished = []
+
+    async def scenario():
+        async with client_of(app) as client:
+            async def post(name, count, **how):
+                response = await client.post("/v1/embeddings", json={"input": [SENTENCE * 2] * count,
+                                                                      **how.get("body", {})},
+                                             headers=how.get("headers", {}))
+                finished.append(name)
+                return response
+
+            bulk = asyncio.ensure_future(post("bulk", 96, body={"priority": "bulk"}))
+            await _queued(client)
+            interactive = await post("interactive", 32, headers={"X-Priority": "interactive"})
+            return await bulk, interactive, (await client.get("/metrics")).text
+
+    bulk, interactive, metrics = asyncio.run(scenario())
+    app.state.batcher.close()
+    assert bulk.status_code == interactive.status_code == 200 and finished == ["interactive", "bulk"]
+    assert 'fastbert_queue_wait_seconds_count{priority="bulk"} 1.0' in metrics
+    assert 'fastbert_queue_wait_seconds_count{priority="interactive"} 1.0' in metrics
+    assert 'fastbert_response_seconds_count{route="embeddings"} 2.0' in metrics
+
+
+def test_bulk_requests_never_starve(engine):
+    """Six clients keep interactive requests of four inputs in the queue without a pause (more than a batch of two
+    inputs can take); a bulk request of four inputs sent among them is answered while they go on, within the
+    credit bulk work earns (1/8 of the interactive tokens)."""
+    app = create_app(engine, max_batch_tokens=64)
+
+    async def scenario():
+        async with client_of(app) as client:
+            flooding, answered = True, []
+
+            async def flood(seed):
+                while flooding:
+                    response = await client.post("/v1/embeddings", json={"input": [f"{seed} {SENTENCE} " * 2] * 4})
+                    answered.append((response.status_code, time.monotonic()))
+
+            clients = [asyncio.ensure_future(flood(seed)) for seed in range(6)]
+            await _queued(client, 4)
+            start = time.monotonic()
+            try:  # (a starved bulk request would wait as long as the flood goes on: 60 s fails the test)
+                bulk = await asyncio.wait_for(client.post("/v1/embeddings", json={
+                    "input": [SENTENCE * 2] * 4, "priority": "bulk"}), timeout=60)
+            except asyncio.TimeoutError:
+                bulk = None
+            done = time.monotonic()
+            await asyncio.sleep(0.5)
+            flooding = False
+            await asyncio.gather(*clients)
+            return bulk, start, done, answered
+
+    bulk, start, done, answered = asyncio.run(scenario())
+    app.state.batcher.close()
+    assert bulk is not None and bulk.status_code == 200, "the bulk request starved"
+    assert {status for status, _ in answered} == {200}
+    assert sum(start < at < done for _, at in answered) >= 2, "no interactive flood beside the bulk request"
+    assert any(at > done for _, at in answered), "the interactive flood stopped before the bulk request was answered"
+
+
+def test_priority_is_checked_like_any_field(engine):
+    app = create_app(engine)
+
+    async def ask():
+        async with client_of(app) as client:
+            return [await client.post("/v1/embeddings", json={"input": "a", **body}, headers=headers)
+                    for body, headers in (({"priority": "urgent"}, {}), ({}, {"X-Priority": "later"}),
+                                          ({"priority": "interactive"}, {"X-Priority": "bulk"}),
+                                          ({"priority": "bulk"}, {"X-Priority": "bulk"}))]
+
+    wrong_field, wrong_header, disagree, agree = asyncio.run(ask())
+    app.state.batcher.close()
+    assert [r.status_code for r in (wrong_field, wrong_header, disagree, agree)] == [400, 400, 400, 200]
+    assert "priority must be one of interactive, bulk" in wrong_field.json()["error"]["message"]
+    assert "X-Priority must be one of" in wrong_header.json()["error"]["message"]
+    assert "disagree" in disagree.json()["error"]["message"] and disagree.json()["error"]["param"] == "priority"
+
+
+def test_the_served_name_is_the_folders(minilm):
+    assert served_name(minilm) == os.path.basename(minilm.rstrip("/"))
+    assert served_name(minilm + "/") == os.path.basename(minilm.rstrip("/"))
+    assert served_name("BAAI/bge-reranker-base") == "BAAI/bge-reranker-base"
 
 
 class FailingEngine:

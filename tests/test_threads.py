@@ -353,6 +353,30 @@ def test_transformers_forward_in_the_parent_hangs_the_child(tmp_path):
     assert json.loads(done.stdout.strip().splitlines()[-1])["status"] != 0
 
 
+def test_instances_share_the_threads(tmp_path):
+    """Threads that are ``one_of(2)`` (a server's two model instances) run half of FASTBERT_NUM_THREADS each, and
+    half of the process's limit without it (fewer where other processes are busy): together never more."""
+    script = """
+        import json, threading
+        from fastbert import threads
+        got = {}
+        def instance(i):
+            share = threads.one_of(2)
+            got[i] = (share, threads.for_forward())
+        workers = [threading.Thread(target=instance, args=(i,)) for i in range(2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        print(json.dumps({"got": list(got.values()), "limit": threads.limit().threads, "alone": threads.most()}))
+    """
+    fixed = run_python(script, tmp_path, FASTBERT_NUM_THREADS="4")
+    assert fixed["got"] == [[2, 2], [2, 2]] and fixed["alone"] == 4
+    machine = run_python(script, tmp_path)
+    for share, count in machine["got"]:
+        assert share == max(1, machine["limit"] // 2) and 1 <= count <= share
+
+
 def test_info_reports_threads():
     report = fastbert.info()["threads"]
     assert set(report) >= {"torch", "limit", "why", "affinity", "cgroup_quota", "adapts_to_load", "last_forward"}
