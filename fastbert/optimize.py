@@ -30,7 +30,8 @@ def optimize(model: nn.Module) -> nn.Module:
     the MLM head transforms of those families); returns ``model``.
 
     Works on the ``*For...`` heads, sentence-transformers ``SentenceTransformer`` and ``CrossEncoder`` models, PEFT
-    models, or a bare ``*Model``. Weights are shared, outputs unchanged (up to kernel rounding; zeros at padding
+    models, or a bare ``*Model``; sentence-transformers' ``SparseEncoder`` (SPLADE) and ``MultiVectorEncoder`` get
+    their heads fused as well (``st_retrieval.py``). Weights are shared, outputs unchanged (up to kernel rounding; zeros at padding
     positions, see docs/usage.md). What was swapped is logged on the ``fastbert`` logger (INFO) and listed in
     ``fastbert.info()["optimized"]``; an encoder left as transformers' is announced with the reason; finding no
     encoder at all is warned, naming the classes seen.

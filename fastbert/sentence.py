@@ -12,6 +12,9 @@ A sentence-transformers folder (local, or a Hub id in the cache) lists its modul
 
 ``Sentence.read`` returns them; a folder with any other module (Dense, LayerNorm, ...) is refused with an error
 naming it. A plain transformers folder has no ``modules.json``: mean pooling and normalization, as all-MiniLM does.
+``config_sentence_transformers.json`` gives the kind of output (its ``model_type``, as sentence-transformers reads it:
+SentenceTransformer, SparseEncoder, MultiVectorEncoder; ``retrieval.py`` reads the last two's heads), the prompts and
+``truncate_dim``.
 """
 
 import dataclasses

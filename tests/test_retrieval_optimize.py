@@ -5,14 +5,12 @@ token counts, cosine >= 0.99999 per vector), heads fused and padding-free, with 
 once; the SPLADE forward's largest live tensors a quarter of sentence-transformers' at most. Tiny random models,
 saved and loaded back (tests/retrieval_models.py)."""
 
-import collections
 import copy
-import weakref
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import fastbert
 from retrieval_models import (
@@ -25,6 +23,8 @@ from retrieval_models import (
 )
 
 st = pytest.importorskip("sentence_transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fastbench.live_bytes import LiveBytes  # noqa: E402
 
 
 def optimized(model):
@@ -89,41 +89,10 @@ def test_splade_options_it_does_not_fuse_run_sentence_transformers(tmp_path):
     assert out.requires_grad and "token_embeddings" in ours(features)
 
 
-class LiveBytes(TorchDispatchMode):
-    """The most bytes that tensors created under it held at once (views share their storage's count)."""
-
-    def __init__(self):
-        super().__init__()
-        self.users = collections.Counter()  # storage address -> live tensors on it
-        self.tracked = {}  # id -> weak reference, for the tensors counted (a WeakSet would compare tensors)
-        self.now = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            known = self.tracked.get(id(t))
-            if isinstance(t, torch.Tensor) and (known is None or known() is not t):
-                self.tracked[id(t)] = weakref.ref(t)
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-                if not self.users[key]:
-                    self.now += size
-                    self.peak = max(self.peak, self.now)
-                self.users[key] += 1
-                weakref.finalize(t, self._release, id(t), key, size)
-        return out
-
-    def _release(self, tensor_id, key, size):
-        self.tracked.pop(tensor_id, None)
-        self.users[key] -= 1
-        if not self.users[key]:
-            self.now -= size
-
-
 def test_splade_peak_memory_is_a_quarter_of_sentence_transformers(tmp_path):
     """One forward on 8 texts (vocabulary 30,522): sentence-transformers holds [8, S, vocab] logits and their masked
-    copy; the fused head a bounded block and [8, vocab]. Counted from the tensors' sizes, not the process's memory,
-    so it holds on a busy machine."""
+    copy; the fused head a bounded block and [8, vocab]. Counted from the tensors' sizes (benchmarks/fastbench/
+    live_bytes.py), not the process's memory, so it holds on a busy machine."""
     model = st.SparseEncoder(splade_folder(tmp_path), device="cpu")
     features = model.preprocess(TEXTS)
     peaks = []
