@@ -27,12 +27,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_storage(t)[0] for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             known = self.tracked.get(id(t))
             if isinstance(t, torch.Tensor) and (known is None or known() is not t):
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
+                key, size = _storage(t)
                 if not self.users[key] and key in inputs:  # a view of (or a write into) a tensor made before
                     continue
                 self.tracked[id(t)] = weakref.ref(t)
@@ -48,3 +47,12 @@ class LiveBytes(TorchDispatchMode):
         self.users[key] -= 1
         if not self.users[key]:
             self.now -= size
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of ``t``'s storage; an opaque tensor (oneDNN's packed weights) by its own address and size."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (NotImplementedError, RuntimeError):
+        return id(t), t.numel() * t.element_size()
