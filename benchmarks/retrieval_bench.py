@@ -58,10 +58,10 @@ def build_models(folder: str) -> dict[str, str]:
     SparseEncoder(modules=[Transformer(os.path.join(folder, "mlm"), transformer_task="fill-mask"),
                            SpladePooling("max")], device="cpu").save(paths["splade"])
     torch.manual_seed(0)
-    MultiVectorEncoder(modules=[Transformer(minilm), Dense(384, 128, bias=False, activation_function=torch.nn.Identity(),
-                                                           module_input_name="token_embeddings"),
-                                MultiVectorMask(), Normalize(module_input_name="token_embeddings")],
-                       device="cpu").save(paths["multi-vector"])
+    projection = Dense(384, 128, bias=False, activation_function=torch.nn.Identity(),
+                       module_input_name="token_embeddings")
+    MultiVectorEncoder(modules=[Transformer(minilm), projection, MultiVectorMask(),
+                                Normalize(module_input_name="token_embeddings")], device="cpu").save(paths["multi-vector"])
     return paths
 
 
@@ -180,7 +180,8 @@ def render(results: dict) -> str:
              f"- **versions**: {', '.join(f'{k} {v}' for k, v in results['versions'].items())}",
              f"- **corpus**: {results['texts']} texts of 1 to 60 words; median of {results['rounds']} rounds, "
              "providers interleaved, fp32", f"- **command**: `{results['command']}`", "",
-             "| kind | provider | median s | texts/s | vs sentence-transformers | outputs |", "|---|---|---:|---:|---:|---|"]
+             "| kind | provider | median s | texts/s | vs sentence-transformers | outputs |",
+             "|---|---|---:|---:|---:|---|"]
     for kind, r in results["kinds"].items():
         for name, median in r["median_s"].items():
             lines.append(f"| {kind} | {name} | {median:.2f} | {results['texts'] / median:.0f} | "

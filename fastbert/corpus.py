@@ -164,7 +164,7 @@ class Embedder:
         head = sentence.head
         if isinstance(head, retrieval.SparseHead) and head.static is not None:
             tokenizer = transformers.AutoTokenizer.from_pretrained(head.static)
-            weight = retrieval._load_weights(head.static)["weight"].float()
+            weight = retrieval.load_weights(head.static)["weight"].float()
             return _Loaded(tokenizer, None, sentence, weight)
         tokenizer = transformers.AutoTokenizer.from_pretrained(sentence.transformer)
         auto = AutoModelForMaskedLM if isinstance(head, retrieval.SparseHead) else AutoModel

@@ -42,8 +42,8 @@ def ranges_of(embeddings: np.ndarray, precision: str, calibration_embeddings: np
     least two rows: sentence-transformers refuses to calibrate on one)."""
     if calibration_embeddings is None:
         if embeddings.ndim == 1 or embeddings.shape[0] == 1:
-            raise ValueError(f"Cannot compute {precision} quantization ranges from a single embedding: give the Embedder "
-                             "ranges or calibration_embeddings from a representative set of embeddings")
+            raise ValueError(f"Cannot compute {precision} quantization ranges from a single embedding: give the "
+                             "Embedder ranges or calibration_embeddings from a representative set of embeddings")
         calibration_embeddings = embeddings
     return np.vstack((np.min(calibration_embeddings, axis=0), np.max(calibration_embeddings, axis=0)))
 

@@ -167,7 +167,7 @@ class MultiVectorHead:
             return None
         config = read_json(self.dense, "config.json")
         activation = _activation(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
-        weights = _load_weights(self.dense)
+        weights = load_weights(self.dense)
         linear = torch.nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
         residual = None
         if config.get("use_residual") and config["in_features"] != config["out_features"]:
@@ -242,7 +242,8 @@ def _activation(path: str) -> torch.nn.Module:
     return cls()
 
 
-def _load_weights(folder: str) -> dict[str, torch.Tensor]:
+def load_weights(folder: str) -> dict[str, torch.Tensor]:
+    """A sentence-transformers module folder's weights: model.safetensors, else pytorch_model.bin."""
     path = os.path.join(folder, "model.safetensors")
     if os.path.isfile(path):
         from safetensors.torch import load_file

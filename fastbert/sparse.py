@@ -11,8 +11,8 @@ transformers' MLM head writes [B, S, vocab] logits, padding included, and Splade
 
 ``MLMHead.of(model)`` takes the masked-LM classes whose head is "a transform, then one Linear to the vocabulary":
 BERT, RoBERTa, XLM-RoBERTa, CamemBERT and DistilBERT. The modules whose ``forward`` this path does not call (the
-model, its head) must be transformers' own classes (or fastbert's fused ones for them) without hooks; the transform and the decoder are called or fused
-as the ops decide (a decoder wrapped by PEFT is called block by block).
+model, its head) must be transformers' own classes (or fastbert's fused ones for them) without hooks; the transform
+and the decoder are called or fused as the ops decide (a decoder wrapped by PEFT is called block by block).
 """
 
 import dataclasses

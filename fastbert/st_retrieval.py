@@ -143,7 +143,8 @@ def _multi_vector(named: list[tuple[str, nn.Module]], features: dict, kwargs: di
     rest = rest[1:] if mask_module is not None else rest
     normalize = rest[0] if rest and kinds[-1] is Normalize else None
     if len(rest) != (normalize is not None) or not modules:
-        return f"its modules ({', '.join(k.__name__ for k in kinds)}) are not Transformer, Dense, MultiVectorMask, Normalize"
+        return (f"its modules ({', '.join(k.__name__ for k in kinds)}) are not Transformer, Dense, MultiVectorMask, "
+                "Normalize")
     for module in (dense, normalize):
         if module is not None and (has_hooks(module) or module.module_input_name != "token_embeddings"
                                    or module.module_output_name != "token_embeddings"):

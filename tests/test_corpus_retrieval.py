@@ -218,7 +218,8 @@ def test_arguments_the_kind_does_not_take(tmp_path, minilm):
 def test_folders_without_a_counterpart_are_refused(tmp_path):
     folder = tmp_path / "colbert"
     folder.mkdir()
-    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "pylate.Transformer"}]))
+    module = {"idx": 0, "name": "0", "path": "", "type": "pylate.models.Transformer"}
+    (folder / "modules.json").write_text(json.dumps([module]))
     (folder / "config_sentence_transformers.json").write_text(json.dumps({"model_type": "ColBERT"}))
     with pytest.raises(ValueError, match="a ColBERT folder .* has no fastbert counterpart"):
         Embedder(str(folder)).embed(["a"])
