@@ -44,6 +44,7 @@ else:
     )
     from .models import UNAVAILABLE as _UNAVAILABLE
     from .optimize import optimize
+    from . import sparse as _sparse  # noqa: F401 - the SPLADE head; its op (splade_pool) registers, for info()
     from .int8.quantize import quantize
     from .validation import set_input_checks
 

@@ -23,11 +23,12 @@ from .ops import gemm
 NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
 
 
-def prepare(model, inputs: dict, graph_safe: bool = False, unpad: bool | None = None,
+def prepare(model, inputs: dict, graph_safe: bool = False, unpad: bool | None = None, first_token_read: bool = True,
             ) -> tuple[torch.Tensor, padding.TokenLayout]:
     """``inputs`` (``NAMES``, None where not given) of ``model`` (a ``FusedModel``) -> (indices [3, N], layout), on
     the model's device. graph_safe: read no device data (no range check, no packing), as a CUDA graph capture
-    requires. unpad: pack the real tokens if the mask has padding (default ``model.unpad``).
+    requires. unpad: pack the real tokens if the mask has padding (default ``model.unpad``). first_token_read: whether
+    what reads position 0 (the pooler, a head) reads this forward's output (a left-padded batch is then said once).
 
     The integer inputs may be on the model's device or, all of them, on the CPU (as tokenizers return them): the
     checks, lengths and layout are then computed on the host and queued to the device without waiting for it."""
@@ -39,7 +40,8 @@ def prepare(model, inputs: dict, graph_safe: bool = False, unpad: bool | None = 
     indices, host = validation.flat_indices(*ids, limits(model), positions_name, read_back, graph_safe)  # [3, B*S]
     if packs:
         layout = padding.unpadded_layout(mask, read_back[:batch], host[:batch])
-        _note_first_token(model, layout, host[batch:])
+        if first_token_read:
+            _note_first_token(model, layout, host[batch:])
     else:
         layout = padding.dense_layout(batch, seq_len, mask)
     if layout.packed:

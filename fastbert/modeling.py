@@ -166,12 +166,7 @@ class FusedModel(layers.Fused):
         """embed -> encode -> unpack -> pool: indices [3, N] (``inputs.prepare``), inputs_embeds [N, width] or None
         -> ``output_class`` with [B, S, hidden] outputs; ``keep``: the hidden states to return
         (``compat.selected_states``). Reads no device data."""
-        # (int8 GEMMs take their activation range over the layout's tokens only: the forward's Run holds it; a CPU
-        # forward runs the threads the machine gives it, threads.py)
-        with _within_run(layout), _cpu_threads(layout, indices.device):
-            x = self.embed(indices, inputs_embeds)  # [N, hidden]
-            layout, positions = self.positions(indices, layout)
-            x, states = self.encode(x, layout, positions, keep)
+        x, layout, states = self.encode_tokens(indices, layout, inputs_embeds, keep)
         sequence_output = padding.unpack(x, layout)  # [B, S, hidden]
         hidden_states = None
         if keep is not None:
@@ -182,6 +177,40 @@ class FusedModel(layers.Fused):
             first = sequence_output if layout.seq_len else sequence_output.new_zeros(layout.batch, 1, x.shape[-1])
             outputs["pooler_output"] = None if pooler is None else pooler(first)
         return self.output_class(**outputs)
+
+    def encode_tokens(self, indices: torch.Tensor, layout: padding.TokenLayout,
+                      inputs_embeds: torch.Tensor | None = None, keep: set[int] | None = None):
+        """embed -> encode, nothing unpacked: -> (the last hidden state [N + spare rows, hidden], the layout the
+        layers ran on, the kept states as ``encode`` returns them). Reads no device data."""
+        # (int8 GEMMs take their activation range over the layout's tokens only: the forward's Run holds it; a CPU
+        # forward runs the threads the machine gives it, threads.py)
+        with _within_run(layout), _cpu_threads(layout, indices.device):
+            x = self.embed(indices, inputs_embeds)  # [N, hidden]
+            layout, positions = self.positions(indices, layout)
+            x, states = self.encode(x, layout, positions, keep)
+        return x, layout, states
+
+    def token_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     token_type_ids: torch.Tensor | None = None, *,
+                     unpad: bool | None = None) -> tuple[torch.Tensor, padding.TokenLayout]:
+        """The last hidden state of a padded batch's tokens, left packed, for inference: input_ids, attention_mask,
+        token_type_ids [B, S] (checked and numbered as ``forward`` does them, positions by column as transformers
+        numbers them, left padding included) -> (x [N, hidden], the layout: where row n sits in [B, S]). With
+        ``unpad`` (default ``self.unpad``) the rows are the real tokens whenever the mask has padding; with
+        ``unpad=False`` every position of the batch, each computed as transformers computes it (a padding position
+        attends to the real tokens). What heads that read token rows run on (``fastbert/sparse.py``,
+        ``fastbert/multi_vector.py``), instead of [B, S, hidden]."""
+        why = compat.why_transformers(self, {})
+        if why is not None:
+            raise ValueError(f"token_states runs fastbert's fused forward only, and {why} needs transformers' (call "
+                             "the model instead)")
+        word = self.get_input_embeddings().weight
+        given = dict.fromkeys(inputs.NAMES)
+        given.update(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        with _entering(plans.for_model(self, word.device, word.dtype, False)):
+            indices, layout = inputs.prepare(self, given, dispatch.capturing(), unpad, first_token_read=False)
+            x, layout, _ = self.encode_tokens(indices, layout)
+        return x[: layout.tokens], layout
 
     def forward_packed(self, input_ids: torch.Tensor, seqlens, token_type_ids: torch.Tensor | None = None,
                        ) -> torch.Tensor:
@@ -198,10 +227,7 @@ class FusedModel(layers.Fused):
         word = self.get_input_embeddings().weight
         with _entering(plans.for_model(self, word.device, word.dtype, False)):
             indices, layout = inputs.prepare_packed(self, input_ids, seqlens, token_type_ids)
-            with _within_run(layout), _cpu_threads(layout, word.device):
-                x = self.embed(indices, None)
-                layout, positions = self.positions(indices, layout)
-                x, _ = self.encode(x, layout, positions, None)
+            x, layout, _ = self.encode_tokens(indices, layout)
         return x[: layout.tokens]
 
     # --- what a family may change ------------------------------------------------------------------------------

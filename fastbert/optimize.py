@@ -9,6 +9,7 @@ relative positions) is left as transformers' and announced.
 
 import collections
 import logging
+import sys
 import threading
 import warnings
 
@@ -30,7 +31,8 @@ def optimize(model: nn.Module) -> nn.Module:
     the MLM head transforms of those families); returns ``model``.
 
     Works on the ``*For...`` heads, sentence-transformers ``SentenceTransformer`` and ``CrossEncoder`` models, PEFT
-    models, or a bare ``*Model``. Weights are shared, outputs unchanged (up to kernel rounding; zeros at padding
+    models, or a bare ``*Model``; sentence-transformers' ``SparseEncoder`` (SPLADE) and ``MultiVectorEncoder`` get
+    their heads fused as well (``st_retrieval.py``). Weights are shared, outputs unchanged (up to kernel rounding; zeros at padding
     positions, see docs/usage.md). What was swapped is logged on the ``fastbert`` logger (INFO) and listed in
     ``fastbert.info()["optimized"]``; an encoder left as transformers' is announced with the reason; finding no
     encoder at all is warned, naming the classes seen.
@@ -55,13 +57,15 @@ def accelerate(model: nn.Module, apply_saved_int8: bool = True) -> tuple[list[st
     """``optimize``'s work, reported: (the encoders accelerated, those left as transformers'). An int8 decision
     saved with the checkpoint by ``fastbert.quantize`` is applied (``apply_saved_int8``)."""
     accelerated, left, heads = _swap(model)
+    retrieval = _retrieval_heads(model) if accelerated else []
     if apply_saved_int8 and accelerated:
         saved = [m for m in model.modules() if isinstance(m, modeling.FusedModel) and int8_decisions.has_saved(m)]
         if saved:
             int8_decisions.apply_saved(model, saved)
     if accelerated or heads:
         report = (f"{type(model).__name__}: accelerated {', '.join(accelerated) or 'no encoder'}"
-                  + (f" and {heads} MLM head transform(s)" if heads else ""))
+                  + (f" and {heads} MLM head transform(s)" if heads else "")
+                  + (f"; fused heads: {', '.join(retrieval)}" if retrieval else ""))
         with _lock:
             _reports.append(report)
         logger.info("fastbert.optimize: %s", report)
@@ -94,6 +98,19 @@ def _swap(model: nn.Module) -> tuple[list[str], list[str], int]:
         module.__class__ = HEAD_CLASSES[type(module)]
     _mark_first_token_readers(model)
     return accelerated, left, len(heads)
+
+
+def _retrieval_heads(model: nn.Module) -> list[str]:
+    """sentence-transformers' SparseEncoder and MultiVectorEncoder models under ``model`` get their heads fused
+    (``st_retrieval.py``): what was changed. Nothing to do where sentence-transformers (>= 5 for SparseEncoder, 6.3
+    for MultiVectorEncoder) was never imported: no model of it can be here."""
+    if "sentence_transformers" not in sys.modules:
+        return []
+    try:
+        from . import st_retrieval
+    except ImportError:  # a sentence-transformers without these classes
+        return []
+    return st_retrieval.fuse_heads(model)
 
 
 # transformers' heads that classify a sequence from its position 0 (every family's; BERT's through the pooler).

@@ -207,3 +207,15 @@ def unpack(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     out = x.new_zeros(layout.batch * layout.seq_len, *x.shape[1:])
     out.index_copy_(0, layout.indices, x)
     return out.view(layout.batch, layout.seq_len, *x.shape[1:])
+
+
+def rows_where(x: torch.Tensor, layout: TokenLayout, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``x`` [N + spare rows, ...] (in ``layout``) at the positions ``keep`` [B, S] (bool, positions the
+    layout holds) -> (those rows [M, ...] in row-major order: row 0's, then row 1's, ...; cu_seqlens [B + 1] int32,
+    row b's kept positions being rows cu_seqlens[b]:cu_seqlens[b + 1]). Where every row is kept (a packed layout's
+    real tokens kept), x's rows come back without a copy."""
+    cu_seqlens = F.pad(keep.sum(dim=1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    flat = keep.flatten()
+    kept = flat.index_select(0, layout.indices) if layout.packed else flat  # [N]: whether row n is kept
+    x = x[: layout.tokens]
+    return (x, cu_seqlens) if bool(kept.all()) else (x[kept], cu_seqlens)

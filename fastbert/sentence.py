@@ -12,6 +12,9 @@ A sentence-transformers folder (local, or a Hub id in the cache) lists its modul
 
 ``Sentence.read`` returns them; a folder with any other module (Dense, LayerNorm, ...) is refused with an error
 naming it. A plain transformers folder has no ``modules.json``: mean pooling and normalization, as all-MiniLM does.
+``config_sentence_transformers.json`` gives the kind of output (its ``model_type``, as sentence-transformers reads it:
+SentenceTransformer, SparseEncoder, MultiVectorEncoder; ``retrieval.py`` reads the last two's heads), the prompts and
+``truncate_dim``.
 """
 
 import dataclasses
@@ -19,6 +22,8 @@ import json
 import os
 
 import torch
+
+from . import retrieval
 
 # sentence-transformers' pooling modes, in the order it concatenates them.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
@@ -29,28 +34,62 @@ _LEGACY_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "ma
 _SUPPORTED = ("Transformer", "Pooling", "Normalize")
 
 
+# config_sentence_transformers.json's model_type -> the kind of output (fastbert.corpus.Embedder's ``kind``).
+KINDS = {"SentenceTransformer": "dense", "SparseEncoder": "sparse", "MultiVectorEncoder": "multi_vector"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sentence:
-    """How a model folder makes sentence embeddings: ``transformer`` (the folder or Hub path of its HF model and
+    """How a model folder makes its embeddings: ``transformer`` (the folder or Hub path of its HF model and
     tokenizer), ``max_length`` (None: the tokenizer's and the model's limit), ``lowercase``, ``pooling`` (modes of
     ``POOLING_MODES``), ``normalize``; ``sentence_transformers``: whether it came from a sentence-transformers
-    folder."""
+    folder. ``kind``: "dense", "sparse" or "multi_vector" (the folder's model type); ``head``: a sparse or
+    multi-vector folder's heads (``retrieval.SparseHead``, ``retrieval.MultiVectorHead``); ``prompts``,
+    ``default_prompt_name``, ``truncate_dim``: the folder's defaults; ``include_prompt``: whether pooling reads the
+    prompt's tokens."""
 
-    transformer: str
+    transformer: str | None
     max_length: int | None = None
     lowercase: bool = False
     pooling: tuple[str, ...] = ("mean",)
     normalize: bool = True
     sentence_transformers: bool = False
+    kind: str = "dense"
+    head: object = None
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
+    truncate_dim: int | None = None
+    include_prompt: bool = True
 
     @classmethod
-    def read(cls, model: str) -> "Sentence":
-        """The folder's (or cached Hub model's) settings; a plain transformers model: mean pooling, normalized."""
+    def read(cls, model: str, task: str | None = None) -> "Sentence":
+        """The folder's (or cached Hub model's) settings, for ``task`` (the route of an inference-free SPLADE); a plain
+        transformers model: mean pooling, normalized."""
         modules_file = _file(model, "modules.json")
         if modules_file is None:
             return cls(model)
         with open(modules_file) as f:
             modules = json.load(f)
+        config = _json(_file(model, "config_sentence_transformers.json"))
+        model_type = config.get("model_type", "SentenceTransformer")
+        if model_type not in KINDS:
+            raise ValueError(f"{model}: a {model_type} folder (config_sentence_transformers.json) has no fastbert "
+                             f"counterpart (fastbert reproduces {', '.join(KINDS)}); use fastbert.optimize on the "
+                             "model sentence-transformers loads instead")
+        common = dict(sentence_transformers=True, kind=KINDS[model_type],
+                      prompts=tuple((config.get("prompts") or {}).items()),
+                      default_prompt_name=config.get("default_prompt_name"), truncate_dim=config.get("truncate_dim"))
+        if common["kind"] == "sparse":
+            head = retrieval.SparseHead.read(model, modules, task, config, _join, _folder_json)
+            settings = {} if head.transformer is None else _folder_json(head.transformer, "sentence_bert_config.json")
+            return cls(head.transformer, settings.get("max_seq_length"), bool(settings.get("do_lower_case", False)),
+                       (), False, head=head, **common)
+        if common["kind"] == "multi_vector":
+            transformer = _join(model, modules[0].get("path", ""))
+            settings = _folder_json(transformer, "sentence_bert_config.json")
+            head = retrieval.MultiVectorHead.read(model, modules, settings, _join, _folder_json)
+            return cls(transformer, settings.get("max_seq_length"), bool(settings.get("do_lower_case", False)), (),
+                       head.normalize, head=head, **common)
         kinds = {}
         for module in modules:
             kind = str(module.get("type", "")).rsplit(".", 1)[-1]
@@ -64,10 +103,20 @@ class Sentence:
             raise ValueError(f"{model}: modules.json lists no Transformer module")
         transformer = _join(model, kinds["Transformer"])
         settings = _json(_file(transformer, "sentence_bert_config.json"))
-        pooling = ("cls",) if "Pooling" not in kinds else _pooling_modes(
-            _json(_file(_join(model, kinds["Pooling"]), "config.json")), model)
+        pooling_config = {} if "Pooling" not in kinds else _json(_file(_join(model, kinds["Pooling"]), "config.json"))
+        pooling = ("cls",) if "Pooling" not in kinds else _pooling_modes(pooling_config, model)
         return cls(transformer, settings.get("max_seq_length"), bool(settings.get("do_lower_case", False)), pooling,
-                   "Normalize" in kinds, sentence_transformers=True)
+                   "Normalize" in kinds, include_prompt=bool(pooling_config.get("include_prompt", True)), **common)
+
+    def prompt(self, task: str | None) -> str | None:
+        """The prompt sentence-transformers' encode (task None) or encode_query / encode_document prepends."""
+        prompts = dict(self.prompts)
+        name = task if task is not None and task in prompts else self.default_prompt_name
+        return prompts.get(name) if name is not None else None
+
+
+def _folder_json(folder: str, name: str) -> dict:
+    return _json(_file(folder, name))
 
 
 def _join(model: str, path: str) -> str:

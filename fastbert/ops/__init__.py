@@ -8,6 +8,7 @@
     norm.py        LayerNorm(dense(x) + residual), pre-norm LayerNorm, LayerNorm(act)   triton, torch
     activation.py  act(dense(x))                                                        triton, torch
     glu.py         act(gate(x)) * up(x)                                                 triton, torch
+    splade_pool.py pool over each sequence of log1p(relu(decoder(x))) (SPLADE's head)   triton, torch
 
 Each op module reads top to bottom: the call it decides on, the implementations fastbert writes outside Triton (the
 ``_C`` bindings, the torch paths), its backends declared as data (``dispatch.Backend``: a name, the reasons it cannot
