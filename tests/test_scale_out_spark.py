@@ -83,7 +83,7 @@ def test_spark_predict_batch_udf_embeds_every_row_once(spark, corpus, checkpoint
     def make_predict_fn():  # (nested: Spark ships it by value; called once per Python worker, then cached)
         with open(log, "a") as f:
             f.write(f"{os.getpid()} {os.environ.get('FASTBERT_CACHE_DIR')}\n")
-        return Embedder(checkpoint).embed
+        return Embedder(checkpoint, dtype="float32").embed
 
     embed_corpus(spark, corpus[0], tmp_path / "out", make_predict_fn)
     assert_every_row_once(tmp_path / "out", corpus)
@@ -98,7 +98,7 @@ def test_spark_survives_a_killed_worker(spark, corpus, checkpoint, tmp_path):
     kill_text = corpus_texts(ROWS, seed=3)[150]
 
     def make_predict_fn():
-        embed = Embedder(checkpoint).embed
+        embed = Embedder(checkpoint, dtype="float32").embed
 
         def predict(texts):
             if kill_text in texts.tolist():

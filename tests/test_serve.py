@@ -67,8 +67,10 @@ class Server:
         self.port = _free_port()
         self.log = open(tmp_path / f"server-{self.port}.log", "w+")
         self.process = subprocess.Popen(
+            # (float32 unless a test says otherwise: the vectors are compared with sentence-transformers' float32
+            # ones; the default, --dtype auto, has its tests in tests/test_auto_dtype.py)
             [sys.executable, "-m", "fastbert", "serve", model, "--port", str(self.port), "--served-model-name",
-             "model", "--log-level", "warning", *options], stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp_path,
+             "model", "--log-level", "warning", "--dtype", "float32", *options], stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp_path,
             env={**os.environ, "HF_HUB_OFFLINE": "1"})
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + START_SECONDS

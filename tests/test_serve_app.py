@@ -29,7 +29,7 @@ def minilm() -> str:
 
 @pytest.fixture(scope="module")
 def engine(minilm):
-    return load(minilm, name="model")
+    return load(minilm, name="model", dtype="float32")
 
 
 def client_of(app) -> httpx.AsyncClient:

@@ -39,7 +39,7 @@ DRIVER = """
     def build_app():
         from fastbert.serve import create_app, load
 
-        return create_app(load(model, name="model"))
+        return create_app(load(model, name="model", dtype="float32"))
 
     ray.init(num_cpus=replicas, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"FASTBERT_CACHE_DIR": os.environ["FASTBERT_CACHE_DIR"]}})

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .models import ModelSet, guard_sentences, int8_anchor_tokenizer
+from .models import ModelSet, Unavailable, guard_sentences, int8_anchor_tokenizer
 
 
 def openvino_missing() -> str | None:
@@ -41,6 +41,43 @@ def _calibration(tokenizer) -> list[dict]:
         feeds.append({"input_ids": batch["input_ids"].astype("int64"),
                       "attention_mask": batch["attention_mask"].astype("int64")})
     return feeds
+
+
+def build_openvino(ms: ModelSet, opts, log=print, precision: str | None = None):
+    """OpenVINO on the float model (the ort provider's ONNX export, no quantization): ``precision`` its
+    INFERENCE_PRECISION_HINT ("f32"), or None for its default (bf16 on a CPU with AVX512_BF16 or AMX)."""
+    if ms.device.type != "cpu" or ms.dtype != "fp32":
+        raise Unavailable("OpenVINO reads the float32 export, on the CPU")
+    missing = openvino_missing()
+    if missing:
+        raise Unavailable(missing)
+    import openvino as ov
+
+    from .ort_provider import export_onnx
+
+    core = ov.Core()
+    with tempfile.TemporaryDirectory(prefix="fastbench-openvino-") as folder:
+        path = os.path.join(folder, "model.onnx")
+        export_onnx(ms, path)
+        model = core.read_model(path)
+    settings = {"INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    if precision is not None:
+        settings["INFERENCE_PRECISION_HINT"] = precision
+    compiled = core.compile_model(model, "CPU", settings)
+    name = "openvino" if precision is None else f"openvino-{precision}"
+    log(f"  {name}: OpenVINO {ov.__version__}, inference precision {compiled.get_property('INFERENCE_PRECISION_HINT')}"
+        + (" (its default here)" if precision is None else ""))
+    return _compiled_forward(compiled)
+
+
+def _compiled_forward(compiled):
+    def forward(inputs):
+        feed = {"input_ids": inputs["input_ids"].cpu().numpy(),
+                "attention_mask": inputs["attention_mask"].cpu().numpy()}
+        out = compiled(feed)[0]
+        return SimpleNamespace(last_hidden_state=torch.from_numpy(out.copy()))
+
+    return forward
 
 
 def build_openvino_int8(ms: ModelSet, opts, log=print, precision: str | None = None):
@@ -70,11 +107,4 @@ def build_openvino_int8(ms: ModelSet, opts, log=print, precision: str | None = N
     log(f"  {name}: OpenVINO {ov.__version__}, NNCF {nncf.__version__} (transformer preset), calibrated on "
         f"the guard's sentences; inference precision {compiled.get_property('INFERENCE_PRECISION_HINT')}"
         + (" (its default here)" if precision is None else ""))
-
-    def forward(inputs):
-        feed = {"input_ids": inputs["input_ids"].cpu().numpy(),
-                "attention_mask": inputs["attention_mask"].cpu().numpy()}
-        out = compiled(feed)[0]
-        return SimpleNamespace(last_hidden_state=torch.from_numpy(out.copy()))
-
-    return forward
+    return _compiled_forward(compiled)

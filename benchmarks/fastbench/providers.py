@@ -30,7 +30,7 @@ class Provider:
     build: Callable[[ModelSet, argparse.Namespace, Log], Forward]
     checked: bool = True  # validated against hf-sdpa before timing (all but the baseline)
     missing: Callable[[], str | None] = lambda: None  # why it cannot run in this environment, or None
-    quantized: bool = False  # int8: checked by pooled cosine (check.check_quantized), not by the fp32 rule
+    quantized: bool = False  # int8 or bf16: checked by pooled cosine (check.check_quantized), not the fp32 rule
 
 
 def _module_forward(model: torch.nn.Module) -> Forward:
@@ -115,6 +115,23 @@ def _openvino_missing() -> str | None:
     return openvino_missing()
 
 
+def _build_openvino(ms: ModelSet, opts, log, precision: str | None = None) -> Forward:
+    from .openvino_provider import build_openvino
+
+    return build_openvino(ms, opts, log, precision)
+
+
+def _build_fastbert_bf16(ms: ModelSet, opts, log) -> Forward:
+    """The fastbert model cast to bf16, in a float32 case: beside OpenVINO's default (bf16 where the CPU has it)."""
+    from fastbert import cpu
+
+    if ms.device.type != "cpu" or ms.dtype != "fp32":
+        raise Unavailable("fastbert-bf16 is the CPU bf16 column of a float32 case (--dtype bf16 times bf16 cases)")
+    if not cpu.native_bf16():
+        raise Unavailable("this CPU has no native bf16 (AVX512_BF16 or AMX): bf16 is emulated, slower than float32")
+    return _module_forward(_fastbert_model(ms, log).to(torch.bfloat16))
+
+
 def _build_openvino_int8(ms: ModelSet, opts, log, precision: str | None = None) -> Forward:
     from .openvino_provider import build_openvino_int8
 
@@ -174,6 +191,14 @@ PROVIDERS: dict[str, Provider] = {
         Provider("ort-int8", "ort, then onnxruntime.quantization.quantize_dynamic (s8 weights per channel, 7-bit "
                  "without VNNI/AMX); checked by pooled cosine; needs onnxruntime", ("cpu",), (), _build_ort_int8,
                  missing=_ort_missing, quantized=True),
+        Provider("fastbert-bf16", "the fastbert model cast to bf16, beside OpenVINO's default in a float32 case (cpu "
+                 "with native bf16); checked by pooled cosine", ("cpu",), (), _build_fastbert_bf16, quantized=True),
+        Provider("openvino", "OpenVINO on the ort provider's float32 ONNX export, at its default precision (bf16 on a "
+                 "CPU with AVX512_BF16 or AMX); checked by pooled cosine; needs openvino", ("cpu",), (),
+                 _build_openvino, missing=_openvino_missing, quantized=True),
+        Provider("openvino-f32", "openvino with INFERENCE_PRECISION_HINT=f32; checked by pooled cosine; needs "
+                 "openvino", ("cpu",), (), lambda ms, opts, log: _build_openvino(ms, opts, log, "f32"),
+                 missing=_openvino_missing, quantized=True),
         Provider("openvino-int8", "OpenVINO: the ort provider's ONNX export, nncf.quantize (8-bit, transformer "
                  "preset) calibrated on fastbert's guard sentences, compiled for the CPU; checked by pooled cosine; "
                  "needs openvino and nncf", ("cpu",), (), _build_openvino_int8, missing=_openvino_missing,

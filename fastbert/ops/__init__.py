@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import derived
+from .. import derived, run
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels.activation import ACTIVATIONS
 from ..plain import has_hooks, is_plain
@@ -79,7 +79,14 @@ def layer_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not is_plain(norm, ln_class(norm), x.device):
         return norm(x)
     shape = norm.normalized_shape if isinstance(norm, nn.LayerNorm) else norm.weight.shape
-    return F.layer_norm(x, shape, norm.weight, norm.bias, ln_eps(norm))
+    return _f_layer_norm(x, tuple(shape), norm.weight, norm.bias, ln_eps(norm))
+
+
+@run.step
+def _f_layer_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, bias: torch.Tensor | None,
+                  eps: float) -> torch.Tensor:
+    """``F.layer_norm``: one step of a CPU replay."""
+    return F.layer_norm(x, shape, weight, bias, eps)
 
 
 def ln_bias(norm: nn.LayerNorm) -> torch.Tensor:

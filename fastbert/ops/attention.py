@@ -29,7 +29,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .. import announce, cpu, dispatch
+from .. import announce, cpu, dispatch, run
 from ..int8 import choices as int8, handoff as int8_handoff
 from ..dispatch import Backend, ByDesign, MeasuredChoice
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
@@ -245,13 +245,35 @@ def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
 def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
     positional = window is not None or relative_bias is not None or disentangled is not None
     columns = layout.columns if positional else None
-    if layout.packed:
-        return attention_cpu(heads, layout.seqlens, relative_bias, window, columns, disentangled=disentangled)
-    # dense with every token real (``_padded_rows`` declines the rest): batch sequences of seq_len rows each
-    return attention_cpu(heads, (layout.seq_len,) * layout.batch, relative_bias, window, disentangled=disentangled)
+    # (dense with every token real, ``_padded_rows`` declining the rest: batch sequences of seq_len rows each)
+    seqlens = layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch
+    out = attention_cpu(heads, seqlens, relative_bias, window, columns, disentangled=disentangled,
+                        spare_rows=layout.spare_rows)
+    # [rows, H D] with the spare rows: what the O projection reads
+    return out.view(out.shape[0], out.shape[1] * out.shape[2])
+
+
+@run.step
+def _sdpa_rows(heads: torch.Tensor, seqlens: tuple[int, ...], spare_rows: int) -> torch.Tensor:
+    """heads [T, 3, H, D] (sequence b the next ``seqlens[b]`` rows, every token real) -> [T + spare_rows, H D]: SDPA
+    on each sequence's rows, written where the next GEMM reads them, the spare rows zero. One step of a CPU replay
+    (bf16 models: torch's flash SDPA, which keeps its scores in float32)."""
+    tokens, _, num_heads, head_dim = heads.shape
+    out = heads.new_empty(tokens + spare_rows, num_heads, head_dim)
+    out[tokens:] = 0
+    start = 0
+    for length in seqlens:
+        q, k, v = heads[start:start + length].permute(1, 2, 0, 3)[:, None]  # [1, H, L, D] each
+        out[start:start + length] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+        start += length
+    return out.view(out.shape[0], num_heads * head_dim)
 
 
 def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
+    plain = not (dropout_p or window is not None or relative_bias is not None or disentangled is not None)
+    if plain and heads.device.type == "cpu" and (layout.packed or _every_key_real(layout)):
+        return _sdpa_rows(heads, layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch,
+                          layout.spare_rows)
     if disentangled is not None:  # (the bias SDPA adds is built from the tables)
         disentangled = position_terms.tables(heads, disentangled)
     if not layout.packed:
@@ -268,9 +290,10 @@ BACKENDS = dispatch.register("attention", [
             declines=_padded_rows, steps=True),
     # (float32 only: bfloat16 takes torch's flash SDPA, which keeps its scores in float32 too)
     Backend("cpu-ext", run=_cpu_run, unavailable=_cpu_unavailable, why_not=lambda call: list(call.reasons),
-            devices=("cpu",), dtypes=(torch.float32,), declines=_padded_rows),
+            devices=("cpu",), dtypes=(torch.float32,), declines=_padded_rows, steps=True),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
-    Backend("torch", run=_torch_run),
+    # (steps where ``_sdpa_rows`` runs it; elsewhere its torch ops fail a replay's capture)
+    Backend("torch", run=_torch_run, steps=True),
 ])
 # DeBERTa's attention (the same op with the disentangled tables): torch's path first builds each sequence's [H, L, L]
 # bias from the tables, so the C++ kernel, which gathers them per score, runs wherever it can without a measurement

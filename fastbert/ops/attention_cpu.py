@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .. import _extension
+from .. import _extension, run
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels._common import launch_or_op
 from . import disentangled as position_terms
@@ -59,7 +59,7 @@ def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa=
 
 
 def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", pos_key=None, pos_query=None,
-                          index=None, scale=None) -> torch.Tensor:
+                          index=None, scale=None, spare_rows: int = 0) -> torch.Tensor:
     tensors = [None if t is None else t.detach().contiguous()
                for t in (qkv, relative_bias, columns, pos_key, pos_query, index)]
     qkv, relative_bias, columns, pos_key, pos_query, index = tensors
@@ -67,8 +67,11 @@ def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", 
     reasons = attention_cpu_unavailable_reasons()
     if reasons:
         raise RuntimeError(reasons[0])
+    if spare_rows < 0:
+        raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
     heads, head_dim = qkv.shape[2], qkv.shape[3]
-    out = qkv.new_empty(qkv.shape[0], heads, head_dim)
+    out = qkv.new_empty(qkv.shape[0] + spare_rows, heads, head_dim)  # (spare rows zero: the packed layout's)
+    out[qkv.shape[0]:] = 0
     rows = pos_key if pos_key is not None else pos_query
     _extension._C.attention_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), heads, head_dim,
                                 0 if relative_bias is None else relative_bias.data_ptr(),
@@ -86,28 +89,33 @@ def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", 
 def _attention_cpu_op(qkv: torch.Tensor, seqlens: list[int], relative_bias: torch.Tensor | None,
                       window: int | None, columns: torch.Tensor | None, isa: str,
                       pos_key: torch.Tensor | None = None, pos_query: torch.Tensor | None = None,
-                      index: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index, scale)
+                      index: torch.Tensor | None = None, scale: float | None = None,
+                      spare_rows: int = 0) -> torch.Tensor:
+    return _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index, scale,
+                                 spare_rows)
 
 
 @_attention_cpu_op.register_fake
-def _(qkv, seqlens, relative_bias, window, columns, isa, pos_key=None, pos_query=None, index=None, scale=None):
+def _(qkv, seqlens, relative_bias, window, columns, isa, pos_key=None, pos_query=None, index=None, scale=None,
+      spare_rows=0):
     _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa)  # (the tables' values: when it runs)
-    return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
+    return qkv.new_empty(qkv.shape[0] + spare_rows, qkv.shape[2], qkv.shape[3])
 
 
+@run.step
 def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None, window: int | None = None,
                   columns: torch.Tensor | None = None, isa: str = "",
-                  disentangled: Disentangled | None = None) -> torch.Tensor:
+                  disentangled: Disentangled | None = None, spare_rows: int = 0) -> torch.Tensor:
     """Padding-free float32 attention on the CPU, forward only (csrc/attention_cpu.h; reference:
     ``kernels/attention_varlen.py``'s ``attention_varlen_ref``): qkv [T, 3, H, D] -> [T, H, D], sequence b the next
     ``seqlens[b]`` rows. relative_bias: None or float32 [H, 2R + 1] by distance j - i clamped to [-R, R]; window:
     None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
     columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each);
     disentangled: DeBERTa's projected relative rows, their index by distance and the scale (``ops/disentangled.py``):
-    each sequence's and head's dot products with them formed in cache and gathered per score. Raises ValueError
-    before the kernel runs when the arguments do not fit."""
+    each sequence's and head's dot products with them formed in cache and gathered per score. spare_rows: zero rows
+    after the T (the packed layout's), so that the result is the very tensor the next GEMM reads. Raises ValueError
+    before the kernel runs when the arguments do not fit. A step of a CPU replay (``run.step``)."""
     d = disentangled
     return launch_or_op(_attention_cpu_launch, _attention_cpu_op, qkv, list(seqlens), relative_bias, window, columns,
                         isa, None if d is None else d.pos_key, None if d is None else d.pos_query,
-                        None if d is None else d.index, None if d is None else d.scale)
+                        None if d is None else d.index, None if d is None else d.scale, spare_rows)

@@ -27,6 +27,8 @@ from torch import nn
 from .. import cpu, cpu_gemm, derived, dispatch, run
 from ..int8 import choices as int8, linear as int8_linear
 from ..dispatch import Backend, ByDesign, MeasuredChoice
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
+from ..kernels.activation import activation_ref
 from ..plain import is_plain
 from ..plan import decided
 from . import activation_name
@@ -161,21 +163,33 @@ def _onednn_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = Non
     return _epilogue(call, cpu_gemm.linear(x, packed, bias, call.activation, residual))
 
 
+@run.step
+def _f_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+              activation: str | None) -> torch.Tensor:
+    """F.linear, then the residual or the activation (by name: ``activation_ref``, transformers' math): the torch
+    backend's inference GEMM as one step of a CPU replay."""
+    y = F.linear(x, weight, bias)
+    if residual is not None:
+        y += residual
+    return y if activation is None else activation_ref(y, activation)
+
+
 def _torch_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     linears = call.linears
+    if call.plain and not call.reference and (call.act_fn is None or call.activation is not None):
+        weight, bias = (linears[0].weight, linears[0].bias) if len(linears) == 1 else derived.cached(
+            call.owner, "stacked", parameters(linears), lambda *params: stack(len(linears), *params))
+        return _f_linear(x, weight, bias, residual, call.activation)
     if not call.plain:
         y = linears[0](x) if len(linears) == 1 else torch.cat([m(x) for m in linears], dim=-1)
     elif len(linears) == 1:
         y = F.linear(x, linears[0].weight, linears[0].bias)
-    elif call.reference:
+    else:
         # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP) where no
         # version counter sees it: the inference caches go, and gradients reach the parameters through the cat.
         derived.discard(call.owner, "stacked")
         derived.discard(call.owner, "onednn_stacked")
         y = F.linear(x, *stack(len(linears), *parameters(linears)))
-    else:
-        y = F.linear(x, *derived.cached(call.owner, "stacked", parameters(linears),
-                                        lambda *params: stack(len(linears), *params)))
     if residual is not None:
         y = y + residual
     return y if call.act_fn is None else call.act_fn(y)
@@ -183,8 +197,10 @@ def _torch_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None
 
 BACKENDS = dispatch.register("gemm", [
     Backend("int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), opt_in=True, steps=True),
-    Backend("onednn", run=_onednn_run, unavailable=_onednn_unavailable, why_not=_onednn_why_not, devices=("cpu",)),
-    Backend("torch", run=_torch_run),
+    Backend("onednn", run=_onednn_run, unavailable=_onednn_unavailable, why_not=_onednn_why_not, devices=("cpu",),
+            steps=True),
+    # (steps in inference on plain Linears; a module it calls, or the ops of training, fail a replay's capture)
+    Backend("torch", run=_torch_run, steps=True),
 ])
 
 

@@ -165,7 +165,7 @@ RESIDUAL_BACKENDS = dispatch.register("layer_norm", [
     Backend("triton", run=_triton_residual, unavailable=dispatch.triton_unavailable, why_not=_why_not),
     Backend("cpu-ext", run=_cpu_residual, unavailable=_cpu_unavailable, why_not=_cpu_why_not, devices=("cpu",),
             opt_in=True, steps=True),
-    Backend("torch", run=_torch_residual),
+    Backend("torch", run=_torch_residual, steps=True),  # (the GEMM op, then a plain LayerNorm's step)
 ])
 
 
@@ -192,7 +192,7 @@ def _torch_norm(call: Call, x: torch.Tensor) -> torch.Tensor:
 # (the op "layer_norm", as above: the same reasons, for a call of one tensor)
 NORM_BACKENDS = (
     Backend("triton", run=_triton_norm, unavailable=dispatch.triton_unavailable, why_not=_why_not),
-    Backend("torch", run=_torch_norm),
+    Backend("torch", run=_torch_norm, steps=True),
 )
 
 
@@ -231,7 +231,7 @@ def _torch_act(call: Call, x: torch.Tensor) -> torch.Tensor:
 
 ACT_BACKENDS = dispatch.register("act_layer_norm", [
     Backend("triton", run=_triton_act, unavailable=dispatch.triton_unavailable, why_not=_why_not),
-    Backend("torch", run=_torch_act),
+    Backend("torch", run=_torch_act, steps=True),
 ])
 
 

@@ -22,6 +22,7 @@ READ_ATTRIBUTES = ("eps", "variance_epsilon", "num_attention_heads", "n_heads")
 _GLUE = frozenset({
     "view", "__getitem__", "size", "dim", "is_contiguous", "contiguous", "detach", "data_ptr", "__get__", "stride",
     "storage_offset", "numel", "is_floating_point", "is_inference", "__len__", "is_complex", "element_size",
+    "reshape",  # (a view where it can be one; where it copies, the check below fails the capture)
 })
 
 # how a step argument is found at replay: as recorded, a slot, a view of a slot's memory, a parameter (held weakly:

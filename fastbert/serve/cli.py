@@ -69,8 +69,9 @@ def parser() -> argparse.ArgumentParser:
                        "folder's name, or the Hub id)")
     parse.add_argument("--task", choices=engine.TASKS, default=None,
                        help="what to serve (default: from the checkpoint's architecture)")
-    parse.add_argument("--dtype", default="float32", choices=tuple(engine.DTYPES),
-                       help="the model's precision (default: %(default)s)")
+    parse.add_argument("--dtype", default="auto", choices=("auto", *engine.DTYPES),
+                       help="the model's precision (default: %(default)s: bfloat16 on a CPU with native bf16 where "
+                       "a guard on real sentences passes, else float32; the start line says which)")
     parse.add_argument("--int8", action="store_true", help="int8 GEMMs on the CPU (fastbert.quantize, its accuracy "
                        "guarded at start-up; float32 only)")
     parse.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     instances = args.instances or default_instances(args.device)
     app = create_app(served, max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
                      api_key=args.api_key or os.environ.get("FASTBERT_API_KEY") or None, instances=instances)
-    logger.info("fastbert serve: %s (%s) on http://%s:%d, %d model instance(s)", served.name, served.task,
-                args.host, args.port, instances)
+    logger.info("fastbert serve: %s (%s) on http://%s:%d, %d model instance(s), %s", served.name, served.task,
+                args.host, args.port, instances, served.precision)
     if advice := allocator_advice():
         logger.warning(advice)
     _serve(app, args, logger)

@@ -21,7 +21,7 @@ import os
 import numpy as np
 import torch
 
-from .. import announce, cpu
+from .. import announce, auto_dtype, cpu
 from ..auto import AutoModel, AutoModelForSequenceClassification
 from ..int8.quantize import quantize
 from ..sentence import Sentence, pool_packed
@@ -55,6 +55,8 @@ class _Engine:
         self.model, self.tokenizer, self.name, self.max_length = model, tokenizer, name, max_length
         self.tokens = Tokens(tokenizer, max_length, lowercase)
         self.device = next(model.parameters()).device
+        # what the model computes in, and why (the start line says it): dtype=auto's choice, or the option given
+        self.precision = str(next(model.parameters()).dtype).removeprefix("torch.")
 
     def tokenize(self, texts: list[str], truncate: bool, first: int = 0) -> list[Item]:
         """Texts (``input[first:]`` of a request) -> sequences of token ids, cut at the model's length as the
@@ -185,8 +187,10 @@ def served_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)) if os.path.isdir(model) else model
 
 
-def settings(device: str = "cpu", dtype: str = "float32", int8: bool = False) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype a model is served in, checked before anything loads (a clear error naming the option)."""
+def settings(device: str = "cpu", dtype: str = "auto", int8: bool = False) -> tuple[torch.device, torch.dtype | None]:
+    """The device and dtype a model is served in, checked before anything loads (a clear error naming the option);
+    None for ``auto`` without int8 (chosen once the float32 model is loaded: ``auto_dtype.choose``; int8 quantizes a
+    float32 model, so ``auto`` with int8 is float32)."""
     try:
         where = torch.device(device)
     except (RuntimeError, ValueError):
@@ -197,9 +201,11 @@ def settings(device: str = "cpu", dtype: str = "float32", int8: bool = False) ->
         raise ValueError(f"device {device!r}: this machine has no CUDA GPU torch can use")
     if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if dtype == "auto":
+        return where, torch.float32 if int8 else None
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
-        raise ValueError(f"dtype {dtype!r}: expected {', '.join(DTYPES)}")
+        raise ValueError(f"dtype {dtype!r}: expected auto, {', '.join(DTYPES)}")
     if int8 and where.type != "cpu":
         raise ValueError("int8 runs on the CPU (int8 GEMMs through oneDNN): use --device cpu, or drop --int8")
     if int8 and torch_dtype != torch.float32:
@@ -209,7 +215,7 @@ def settings(device: str = "cpu", dtype: str = "float32", int8: bool = False) ->
     return where, torch_dtype
 
 
-def load(model: str, *, device: str = "cpu", dtype: str = "float32", int8: bool = False, task: str | None = None,
+def load(model: str, *, device: str = "cpu", dtype: str = "auto", int8: bool = False, task: str | None = None,
          name: str | None = None):
     """The engine of ``model`` (a local folder or a Hub id): ``Embeddings`` or ``Scores`` by its architecture (``task``
     forces one), in ``dtype`` on ``device``, with int8 GEMMs (``fastbert.quantize`` and its guard) when ``int8``;
@@ -226,15 +232,20 @@ def load(model: str, *, device: str = "cpu", dtype: str = "float32", int8: bool 
         a.endswith("ForSequenceClassification") for a in (config.architectures or [])))
     tokenizer = transformers.AutoTokenizer.from_pretrained(sentence.transformer)
     # (transformers 5 names the argument dtype; 4.x torch_dtype)
-    dtype_argument = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch_dtype}
+    dtype_argument = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype":
+                      torch_dtype or torch.float32}
     auto = AutoModelForSequenceClassification if scores else AutoModel
     loaded = auto.from_pretrained(sentence.transformer, **dtype_argument).to(where).eval()
+    why = f"--dtype {dtype}"
+    if torch_dtype is None:  # (auto: bf16 where the CPU has it natively and the guard passes, said once)
+        loaded, why = auto_dtype.choose(loaded, tokenizer, served_name(model))
     if int8:
         quantize(loaded, tokenizer=tokenizer)
     name = name or served_name(model)
-    if scores:
-        return Scores(loaded, tokenizer, name, _cross_encoder_activation(config))
-    return Embeddings(loaded, tokenizer, name, sentence)
+    served = Scores(loaded, tokenizer, name, _cross_encoder_activation(config)) if scores else \
+        Embeddings(loaded, tokenizer, name, sentence)
+    served.precision = f"{served.precision}{' with int8 GEMMs' if int8 else ''} ({why})"
+    return served
 
 
 def _cross_encoder_activation(config) -> str:
