@@ -19,7 +19,8 @@ from starlette.applications import Starlette  # noqa: E402
 from starlette.routing import Mount  # noqa: E402
 
 from fastbert.serve import create_app, load  # noqa: E402
-from fastbert.serve.engine import Scores, served_name  # noqa: E402
+from fastbert.serve.engine import Scores  # noqa: E402
+from fastbert.serve.loading import served_name  # noqa: E402
 
 
 @pytest.fixture(scope="module")
