@@ -36,8 +36,8 @@ from starlette.routing import Route
 from . import formats, memory
 from .batcher import QueueFull
 from .engine import InputError
-from .protocol import (ApiError, check_model, documents_of, error_response, inputs_of, json_response, positive_int,
-                       priority_of, read_body, task_of, truncate_of)
+from .protocol import (ApiError, check_model, documents_of, error_response, inputs_of, json_response,
+                       json_rows_response, positive_int, priority_of, read_body, task_of, truncate_of)
 from .retrieval import largest
 
 MAX_REQUEST_TOKENS = 300_000  # per request, as OpenAI's
@@ -76,14 +76,14 @@ async def embed_sparse(request: Request) -> Response:
     body = await _model_request(request, "sparse", "/embed_sparse")
     top_k = positive_int(body, "top_k", engine.splade.top_k)
     rows = await _retrieval(request, body)
-    return json_response([[{"index": int(i), "value": float(v)} for i, v in zip(*largest(indices, values, top_k))]
-                          for indices, values in rows])
+    return json_rows_response(rows, lambda row: [{"index": int(i), "value": float(v)}
+                                                 for i, v in zip(*largest(*row, top_k))])
 
 
 async def embed_all(request: Request) -> Response:
     """TEI's ``/embed_all`` shape: each text's token vectors, its scored tokens only (no padding rows)."""
     body = await _model_request(request, "multi_vector", "/embed_all")
-    return json_response(await _retrieval(request, body))
+    return json_rows_response(await _retrieval(request, body), lambda vectors: vectors)
 
 
 async def rerank(request: Request) -> Response:
