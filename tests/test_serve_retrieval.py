@@ -126,21 +126,23 @@ def test_multi_vector_equals_multi_vector_encoder(tmp_path, padding_side):
     assert_same_vectors(token_vectors(responses[-1]), model.encode(TEXTS[2:3]))
 
 
-@pytest.mark.parametrize("expansion", [
-    {"strategy": "fixed", "length": 16},
-    {"strategy": "fixed", "length": 16, "attend": True},
-    {"strategy": "min", "length": 12},
-], ids=["fixed", "fixed-attend", "min"])
-def test_multi_vector_query_expansion(tmp_path, expansion):
-    """ColBERT's query expansion: queries padded with [MASK] to the expansion width, scored there; attended to or
-    not. Documents beside them in the same batches are not expanded."""
-    folder = multi_vector_folder(tmp_path, query_expansion=expansion)
+@pytest.mark.parametrize("expansion, padding_side", [
+    ({"strategy": "fixed", "length": 16}, "right"),
+    ({"strategy": "fixed", "length": 16}, "left"),
+    ({"strategy": "fixed", "length": 16, "attend": True}, "left"),
+    ({"strategy": "min", "length": 12}, "right"),
+], ids=["fixed", "fixed-left", "fixed-attend-left", "min"])
+def test_multi_vector_query_expansion(tmp_path, expansion, padding_side):
+    """ColBERT's query expansion: queries padded with [MASK] to the expansion width (a fixed width on the tokenizer's
+    padding side), scored there; attended to or not. Documents beside them in the same batches are not expanded."""
+    folder = multi_vector_folder(tmp_path, padding_side, query_expansion=expansion)
     model = st.MultiVectorEncoder(folder, device="cpu")
     queries, documents = ask(create_app(load(folder), max_batch_tokens=BUDGET),
                              ("/embed_all", {"inputs": TEXTS, "task": "query"}),
                              ("/embed_all", {"inputs": TEXTS, "task": "document"}))
-    assert_same_vectors(token_vectors(queries), model.encode_query(TEXTS, batch_size=3))
-    assert_same_vectors(token_vectors(documents), model.encode_document(TEXTS, batch_size=3))
+    batch_size = 3 if padding_side == "right" else 1  # (left padding shifts positions in a batch of documents)
+    assert_same_vectors(token_vectors(queries), model.encode_query(TEXTS, batch_size=batch_size))
+    assert_same_vectors(token_vectors(documents), model.encode_document(TEXTS, batch_size=batch_size))
 
 
 def test_multi_vector_truncate_dim(tmp_path):

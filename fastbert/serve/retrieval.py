@@ -138,10 +138,11 @@ class MultiVectors(_Retrieval):
             ids = torch.tensor([sequence.ids])
             mask, positions = torch.ones_like(ids), None
             if expansion is not None:
-                if expansion["strategy"] == "fixed":  # (padded to the width on the tokenizer's side, then expanded)
-                    batch = self.tokenizer.pad({"input_ids": [sequence.ids]}, padding="max_length",
-                                               max_length=expansion["length"], return_tensors="pt")
-                    ids, mask = batch["input_ids"], batch["attention_mask"]
+                missing = expansion["length"] - len(sequence.ids)
+                if expansion["strategy"] == "fixed" and missing > 0:  # (padded to the width on the tokenizer's side)
+                    sides = (missing, 0) if self.tokenizer.padding_side == "left" else (0, missing)
+                    ids = F.pad(ids, sides, value=self.tokenizer.pad_token_id or 0)
+                    mask = F.pad(mask, sides, value=0)
                 ids, mask, positions = self.head.expand(self.tokenizer, ids, mask)
             scored = self.head.scored(self.tokenizer, ids, mask, positions, task)
             items.append(Item(ids[0].tolist(), scored=scored[0].tolist(),
