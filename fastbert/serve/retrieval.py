@@ -33,9 +33,10 @@ class _Retrieval(Engine):
     def __init__(self, model, tokenizer, name: str, sentence: Sentence, lengths: dict):
         """``lengths``: each task's most tokens."""
         super().__init__(model, tokenizer, name, lengths[None], sentence.lowercase)
-        self.sentence = sentence
-        by_length = {length: Tokens(tokenizer, length, sentence.lowercase) for length in set(lengths.values())}
-        self.lengths = lengths
+        self.sentence, self.lengths = sentence, lengths
+        by_length = {lengths[None]: self.tokens}
+        for length in lengths.values():
+            by_length.setdefault(length, Tokens(tokenizer, length, sentence.lowercase))
         self.tokens_of = {task: by_length[length] for task, length in lengths.items()}
         self.refused: dict[str | None, str] = {}  # task -> why this server does not serve it
 
@@ -51,6 +52,7 @@ class _Retrieval(Engine):
         return self.items(sequences, task)
 
     def items(self, sequences, task: str | None) -> list[Item]:
+        """The task's tokenized sequences (``tokens.Tokenized``) -> what ``run`` takes."""
         return [Item(s.ids) for s in sequences]
 
 
@@ -59,7 +61,7 @@ class SparseEmbeddings(_Retrieval):
 
     def __init__(self, model, tokenizer, name: str, sentence: Sentence, refused: dict | None = None):
         """``model``: the SPLADE route's masked-LM model (``fastbert.AutoModelForMaskedLM``); ``refused``: the tasks
-        whose route is another (``routes``)."""
+        whose route is another (``sparse_routes``)."""
         head = MLMHead.of(model)
         if isinstance(head, str):
             raise ValueError(f"{name}: its SPLADE model cannot run fastbert's fused head: {head}")
