@@ -51,7 +51,8 @@ if provider == "transformers":
         with torch.inference_mode():
             model(input_ids=batch, attention_mask=mask)
 else:
-    from fastbert.serve.engine import Item, load
+    from fastbert.serve import load
+    from fastbert.serve.engine import Item
     engine = load(path, int8=provider == "fastbert-int8")
 
     def run(lengths, ids):

@@ -183,8 +183,7 @@ class Embedder:
                 raise ValueError(f"{self.model}: its SPLADE model cannot run fastbert's fused head: {mlm}")
             return _Loaded(tokenizer, model, sentence, mlm)
         if isinstance(head, retrieval.MultiVectorHead):
-            project = head.projection()  # (float32: the Dense module as sentence-transformers loads it)
-            return _Loaded(tokenizer, model, sentence, None if project is None else lambda x: project(x.float()))
+            return _Loaded(tokenizer, model, sentence, head.projection())
         return _Loaded(tokenizer, model, sentence)
 
     def _in_dtype(self, model: torch.nn.Module, tokenizer) -> torch.nn.Module:

@@ -7,7 +7,8 @@
 
 what sentence-transformers' MultiVectorEncoder computes (Transformer, Dense, MultiVectorMask, Normalize, then each
 text's scored rows), where its Dense and Normalize run on [B, S, hidden], padding included. Every step after the
-encoder is row-wise, so running it on the scored rows only gives the same vectors.
+encoder is row-wise, so running it on the scored rows only gives the same vectors. ``packed_token_vectors`` takes
+sequences back to back instead (``forward_packed``: the server's batches).
 
 Scored positions are the real tokens minus a skip-list, plus, for queries with ColBERT's expansion, the [MASK]
 positions appended after them. With ``attend=False`` (classic ColBERT) those have attention mask 0: no token attends
@@ -33,9 +34,24 @@ def token_vectors(encoder: modeling.FusedModel, input_ids: torch.Tensor, attenti
     outside_mask = bool((scored & ~real).any())  # positions scored although nothing attends to them
     x, layout = encoder.token_states(input_ids, attention_mask, token_type_ids, unpad=False if outside_mask else None)
     x, cu_seqlens = padding.rows_where(x, layout, scored.to(x.device))
+    return _head(x, project, normalize), cu_seqlens
+
+
+def packed_token_vectors(encoder: modeling.FusedModel, input_ids: torch.Tensor, seqlens: list[int],
+                         scored: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor] | None,
+                         normalize: bool) -> torch.Tensor:
+    """Sequences back to back (``FusedModel.forward_packed``'s input_ids [N], seqlens [B]; every token attended to)
+    and ``scored`` [N] bool -> the scored tokens' vectors [M, dim] in order, each as ``token_vectors`` gives it for
+    its sequence alone, with no [batch, seq_len] tensor at any step (what the server runs). Inference only."""
+    x = encoder.forward_packed(input_ids, seqlens)  # [N, hidden]
+    return _head(x[scored.to(x.device)], project, normalize)
+
+
+def _head(x: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor] | None, normalize: bool) -> torch.Tensor:
+    """The scored rows [M, hidden] -> their vectors [M, dim]: the projection, then L2 normalization (row-wise)."""
     if project is not None:
         x = project(x)
-    return (F.normalize(x, p=2, dim=-1) if normalize else x), cu_seqlens
+    return F.normalize(x, p=2, dim=-1) if normalize else x
 
 
 def scatter(vectors: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:

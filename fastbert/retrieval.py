@@ -177,6 +177,7 @@ class MultiVectorHead:
         linear.eval()
 
         def project(x: torch.Tensor) -> torch.Tensor:
+            x = x.float()  # (the Dense module's float32 weights, whatever the encoder computes in: dtype="auto")
             out = activation(linear.to(x.device)(x))
             if config.get("use_residual"):
                 out = out + (x if residual is None else residual.to(x.device)(x))

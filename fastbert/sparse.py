@@ -8,6 +8,7 @@ the pooled vector.
 
 what sentence-transformers' SparseEncoder computes with a Transformer (``fill-mask``) and SpladePooling, where
 transformers' MLM head writes [B, S, vocab] logits, padding included, and SpladePooling a masked copy of them.
+``splade_packed`` takes sequences back to back instead (``forward_packed``: the server's batches).
 
 ``MLMHead.of(model)`` takes the masked-LM classes whose head is "a transform, then one Linear to the vocabulary":
 BERT, RoBERTa, XLM-RoBERTa, CamemBERT and DistilBERT. The modules whose ``forward`` this path does not call (the
@@ -19,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.models.bert import modeling_bert
 from transformers.models.camembert import modeling_camembert
@@ -70,6 +72,16 @@ class MLMHead:
         x, layout = self.encoder.token_states(input_ids, attention_mask, token_type_ids)
         keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         x, cu_seqlens = padding.rows_where(x, layout, keep.to(x.device))  # [N, hidden], [B + 1]
+        return splade_pool(self.transform(x), cu_seqlens, self.decoder, activation, pooling)
+
+    def splade_packed(self, input_ids: torch.Tensor, seqlens: list[int], activation: str,
+                      pooling: str) -> torch.Tensor:
+        """Sequences back to back (``FusedModel.forward_packed``'s input_ids [N], seqlens [B]) -> [B, vocab]: each
+        sequence's ``splade`` as it gives that sequence alone, with no [batch, seq_len] tensor at any step (what the
+        server runs). Inference only."""
+        x = self.encoder.forward_packed(input_ids, seqlens)  # [N, hidden]
+        cu_seqlens = F.pad(torch.tensor(seqlens, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32),
+                           (1, 0))  # [B + 1]
         return splade_pool(self.transform(x), cu_seqlens, self.decoder, activation, pooling)
 
 

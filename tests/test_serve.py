@@ -2,8 +2,10 @@
 (and httpx for the routes OpenAI has no method for), bounded in time.
 
 - Embeddings equal sentence-transformers' ``encode`` on the real all-MiniLM-L6-v2 (1 to ~600 tokens and texts of
-  tens of KB, float and base64, ``dimensions``, token-id inputs, usage), served by two model instances; rerank equals
-  a ``CrossEncoder``'s scores, with queries and documents of tens of KB too; classify gives its probabilities.
+  tens of KB, float and base64, ``dimensions``, token-id inputs, usage), served by two model instances; the openai
+  client reads the int8, uint8, binary and ubinary formats, ``quantize_embeddings``' bytes given the calibration
+  embeddings the server was started with; rerank equals a ``CrossEncoder``'s scores, with queries and documents of
+  tens of KB too; classify gives its probabilities.
 - Every bad request gets its 4xx with OpenAI's error body (never a 5xx or a dropped connection); an API key guards
   every route but /health; a tiny queue answers 429 with Retry-After; /metrics parses as Prometheus text.
 - One heavy request (a 15 MB input; a rerank of a 70 KB query and 2,048 documents) does not stall small ones beside
@@ -106,8 +108,19 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def embedding_server(minilm, tmp_path_factory):
-    server = Server(minilm, "--instances", "2", tmp_path=tmp_path_factory.mktemp("embedding-server"))
+def calibration(minilm, tmp_path_factory) -> str:
+    """A .npy of calibration embeddings: the model's vectors of 200 texts (``quantize_embeddings``' argument)."""
+    path = tmp_path_factory.mktemp("calibration") / "calibration.npy"
+    embeddings = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode(
+        texts_of(np.random.default_rng(5).integers(1, 60, 200), seed=5))
+    np.save(path, embeddings)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def embedding_server(minilm, calibration, tmp_path_factory):
+    server = Server(minilm, "--instances", "2", "--calibration", calibration,
+                    tmp_path=tmp_path_factory.mktemp("embedding-server"))
     yield server
     assert server.stop() == 0, server.output()
 
@@ -170,6 +183,42 @@ def test_dimensions_truncate_and_renormalize(embedding_server, minilm):
     got = _vectors(run(ask()))
     assert got.shape == (4, 64)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+QUANTIZED = {"int8": np.int8, "uint8": np.uint8, "binary": np.int8, "ubinary": np.uint8}
+
+
+@pytest.mark.parametrize("dimensions", [None, 64])
+def test_the_openai_client_reads_quantized_formats(embedding_server, calibration, dimensions):
+    """encoding_format int8, uint8, binary, ubinary (the client's type hints say float or base64; it sends any
+    string): JSON lists of ints on the wire, which the client parses into lists of whole floats (its type says
+    floats), exact -- bit-equal to quantize_embeddings on the server's float32 vectors with the calibration
+    embeddings it was started with, cut to ``dimensions`` and normalized again as the vectors are."""
+    calibration_embeddings = np.load(calibration)
+    if dimensions is not None:
+        calibration_embeddings = calibration_embeddings[:, :dimensions]
+        calibration_embeddings /= np.linalg.norm(calibration_embeddings, axis=1, keepdims=True)
+    options = {} if dimensions is None else {"dimensions": dimensions}
+
+    async def ask():
+        async with embedding_server.client() as client:
+            floats = await client.embeddings.create(model="model", input=TEXTS, **options)  # (base64: exact floats)
+            return floats, {encoding: await client.embeddings.with_raw_response.create(
+                model="model", input=TEXTS, encoding_format=encoding, **options) for encoding in QUANTIZED}
+
+    floats, quantized = run(ask())
+    vectors = _vectors(floats)
+    width = dimensions or 384
+    for encoding, dtype in QUANTIZED.items():
+        wire = [d["embedding"] for d in sorted(quantized[encoding].http_response.json()["data"],
+                                               key=lambda d: d["index"])]
+        assert all(isinstance(value, int) for row in wire for value in row), encoding
+        parsed = [d.embedding for d in sorted(quantized[encoding].parse().data, key=lambda d: d.index)]
+        assert parsed == wire, encoding
+        expected = sentence_transformers.quantize_embeddings(vectors, encoding,
+                                                             calibration_embeddings=calibration_embeddings)
+        assert expected.dtype == dtype and np.array_equal(np.asarray(parsed, dtype=dtype), expected), encoding
+        assert expected.shape == (len(TEXTS), width if encoding.endswith("int8") else width // 8)
 
 
 def test_token_id_inputs(embedding_server, minilm):
@@ -240,7 +289,11 @@ ERRORS = [  # (method, path, body (dict, or raw bytes), status, a fragment of th
     ("POST", "/v1/embeddings", {"input": "a", "truncate": "yes"}, 400, "truncate must be"),
     ("POST", "/v1/embeddings", {"input": ["a"] * 2049}, 400, "more than 2048"),
     ("POST", "/v1/embeddings", {"input": "a", "priority": "urgent"}, 400, "priority must be one of"),
+    ("POST", "/v1/embeddings", {"input": "a", "encoding_format": "int4"}, 400, "one of float, base64, int8, uint8"),
     ("POST", "/v1/rerank", {"query": "a", "documents": ["b"]}, 400, "rerank needs a cross-encoder"),
+    ("POST", "/embed_sparse", {"inputs": "a"}, 400, "needs a SPLADE (SparseEncoder) model; this server's model "
+     "serves /v1/embeddings"),
+    ("POST", "/embed_all", {"inputs": "a"}, 400, "needs a multi-vector (MultiVectorEncoder) model"),
     ("GET", "/v1/embeddings", None, 405, "not allowed"),
     ("GET", "/v2/anything", None, 404, "no route"),
 ]
@@ -517,6 +570,7 @@ MISTAKES = [  # (arguments, with MODEL for the real folder; a fragment of the on
     (("MODEL", "--int8", "--dtype", "float16"), "int8 quantizes a float32 model"),
     (("MODEL", "--instances", "0"), "'0' is not a number >= 1"),
     (("MODEL", "--device", "tpu"), "device 'tpu': expected cpu, cuda or cuda:N"),
+    (("MODEL", "--calibration", "/no/such/file"), "--calibration /no/such/file: no such file"),
 ]
 if not torch.cuda.is_available():
     MISTAKES.append((("MODEL", "--device", "cuda"), "this machine has no CUDA GPU"))

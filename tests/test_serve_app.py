@@ -1,9 +1,11 @@
 """``fastbert.serve.create_app`` in process, on the real all-MiniLM-L6-v2: what the batching promises (a long request
 never starves a short one; interactive requests go before bulk ones, and bulk ones still get their share under a
 flood of interactive work; a failed batch fails its own requests only and the server goes on), where a request's
-time goes in the metrics, classify's labels, the served name, and the app mounted inside another ASGI app."""
+time goes in the metrics, classify's labels, the served name, the app mounted inside another ASGI app, and the
+calibration of quantized formats (fixed at load, whatever a request holds)."""
 
 import asyncio
+import base64
 import os
 import time
 
@@ -18,8 +20,10 @@ pytest.importorskip("prometheus_client")
 from starlette.applications import Starlette  # noqa: E402
 from starlette.routing import Mount  # noqa: E402
 
+from fastbert.int8.guard_inputs import usable_texts  # noqa: E402
 from fastbert.serve import create_app, load  # noqa: E402
-from fastbert.serve.engine import Scores, served_name  # noqa: E402
+from fastbert.serve.engine import Embeddings, Scores  # noqa: E402
+from fastbert.serve.loading import calibration_of, served_name  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +260,50 @@ def test_the_allocator_advice_names_a_remedy_under_glibc_only(preload):
         assert advice == "None"
     else:
         assert advice.startswith("memory: glibc's malloc") and ("LD_PRELOAD=" in advice or "install tcmalloc" in advice)
+
+
+def test_quantized_formats_use_the_calibration_fixed_at_load(engine, minilm):
+    """By default the int8/uint8 ranges come from the model's vectors of fastbert's shipped sentences
+    (SentenceTransformer.encode's, within 1e-5), computed at load: one text (which sentence-transformers could not
+    calibrate on) and many are quantized with those same ranges, as quantize_embeddings quantizes them."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    shipped = usable_texts(engine.tokenizer, None)[0]
+    expected = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode(shipped)
+    np.testing.assert_allclose(engine.calibration.embeddings, expected, rtol=0, atol=1e-5)
+    ranges = np.vstack([engine.calibration.embeddings.min(0), engine.calibration.embeddings.max(0)])
+    app = create_app(engine)
+    inputs = {"one": "a single text", "many": [SENTENCE, "short", SENTENCE * 3]}
+
+    async def ask():
+        async with client_of(app) as client:
+            return {(name, encoding): (await client.post("/v1/embeddings", json={
+                "input": texts, "encoding_format": encoding})).json()["data"]
+                for name, texts in inputs.items() for encoding in ("base64", "int8", "uint8")}
+
+    answers = asyncio.run(ask())
+    app.state.batcher.close()
+    for name in inputs:
+        floats = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+                           for d in answers[name, "base64"]])
+        for encoding in ("int8", "uint8"):
+            got = np.array([d["embedding"] for d in answers[name, encoding]])
+            want = sentence_transformers.quantize_embeddings(floats, encoding, ranges=ranges)
+            assert np.array_equal(got, want), (name, encoding)
+
+
+def test_calibration_from_sentences_or_embeddings(engine, tmp_path, minilm):
+    """A file of sentences (one a line) is embedded at load; a .npy is taken as the embeddings; embeddings of another
+    width, or fewer than two, are refused naming the calibration."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    (tmp_path / "sentences.txt").write_text("the first sentence\n\n  a second one  \nand a third\n")
+    texts = calibration_of(str(tmp_path / "sentences.txt"))
+    assert texts == ["the first sentence", "a second one", "and a third"]
+    served = Embeddings(engine.model, engine.tokenizer, "model", engine.sentence, calibration=texts)
+    expected = sentence_transformers.SentenceTransformer(minilm, device="cpu").encode(texts)
+    np.testing.assert_allclose(served.calibration.embeddings, expected, rtol=0, atol=1e-5)
+    np.save(tmp_path / "embeddings.npy", expected)
+    assert np.array_equal(calibration_of(str(tmp_path / "embeddings.npy")), expected)
+    for wrong, fragment in ((np.zeros((4, 10), np.float32), r"expected \[n >= 2, 384\] .* got \[4, 10\]"),
+                            (expected[:1], r"got \[1, 384\]"), (np.zeros((4, 384), np.int64), "2-D float array")):
+        with pytest.raises(ValueError, match="calibration embeddings: .*" + fragment):
+            Embeddings(engine.model, engine.tokenizer, "model", engine.sentence, calibration=wrong)

@@ -1,7 +1,7 @@
 """``create_app``: the ASGI app of one engine -- the routes of ``handlers.py`` on Starlette, and the state they serve
 with in ``app.state``:
 
-    engine       the model and its tokenizer (``engine.load``)
+    engine       the model and its tokenizer (``loading.load``)
     batcher      the queue and the model instances (``batcher.py``)
     tokenizing   the threads that tokenize (fast tokenizers release the GIL: the event loop goes on meanwhile)
     metrics      the Prometheus registry (``metrics.py``)
@@ -25,10 +25,10 @@ from .metrics import Metrics
 
 def create_app(engine, *, max_batch_tokens: int = 8192, max_queue: int = 256, api_key: str | None = None,
                max_body_bytes: int = 16 << 20, tokenizer_threads: int = 2, instances: int = 1) -> Starlette:
-    """The ASGI app serving ``engine`` (``engine.load(...)``, or ``Embeddings``/``Scores`` around a model and
-    tokenizer of your own) with ``instances`` model instances; mount it in an existing app or run it with any ASGI
-    server. Its instances start at once and stop, after answering every accepted request, when the app shuts down
-    (its ASGI lifespan; mounted inside another app, whose lifespan does not reach it, call
+    """The ASGI app serving ``engine`` (``load(...)``, or an engine of ``engine.py`` or ``retrieval.py`` around a
+    model and tokenizer of your own) with ``instances`` model instances; mount it in an existing app or run it with
+    any ASGI server. Its instances start at once and stop, after answering every accepted request, when the app shuts
+    down (its ASGI lifespan; mounted inside another app, whose lifespan does not reach it, call
     ``app.state.batcher.close()`` at shutdown)."""
     app = Starlette(routes=handlers.ROUTES, lifespan=_lifespan, exception_handlers=handlers.EXCEPTION_HANDLERS)
     state = app.state

@@ -25,8 +25,6 @@ import collections
 import threading
 import time
 
-import numpy as np
-
 from .. import threads
 
 PRIORITIES = ("interactive", "bulk")
@@ -56,8 +54,8 @@ class _Work:
 
 
 class Batcher:
-    """The queue and the instance threads of one engine (``engine.run(items) -> np.ndarray [len(items), ...]``,
-    safe to call from several threads)."""
+    """The queue and the instance threads of one engine (``engine.run(items)``: one row per item -- an array's rows,
+    or outputs of each item's own shape -- safe to call from several threads)."""
 
     def __init__(self, engine, max_batch_tokens: int, max_queue: int, metrics=None, instances: int = 1):
         if max_batch_tokens < 1 or max_queue < 1 or instances < 1:
@@ -77,7 +75,7 @@ class Batcher:
     # --- the event loop's side ---------------------------------------------------------------------------------------
 
     async def submit(self, items, priority: str = "interactive", arrived: float | None = None,
-                     ) -> tuple[np.ndarray, float]:
+                     ) -> tuple[list, float]:
         """Run ``items`` (one request's sequences) -> (their rows in order, when the last of them finished). Raises
         ``QueueFull``; cancelling the awaiting task (the client went away) drops what has not run."""
         loop = asyncio.get_running_loop()
@@ -186,7 +184,7 @@ class Batcher:
                 work.done += 1
                 if work.done == len(work.items) and not work.cancelled:
                     work.finished = finished
-                    _resolve(work, result=np.stack(work.rows))
+                    _resolve(work, result=work.rows)
 
     def _waiting(self) -> int:
         return sum(len(line) for line in self.lines.values())

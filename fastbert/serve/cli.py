@@ -9,19 +9,22 @@ import os
 import signal
 
 from .. import __version__, threads
-from . import engine, extra
+from . import extra, loading
 from .memory import allocator_advice
 
 CPUS_PER_INSTANCE = 4  # threads of one model instance, where --instances is left to its default
 
 DESCRIPTION = """\
-Serve a sentence-embedding model (OpenAI's /v1/embeddings) or a cross-encoder or classifier (/v1/rerank,
-/v1/classify) over HTTP, on fastbert's padding-free path. The task follows the checkpoint."""
+Serve a sentence-embedding model (OpenAI's /v1/embeddings), a cross-encoder or classifier (/v1/rerank,
+/v1/classify), a SPLADE model (TEI's /embed_sparse) or a multi-vector model (/embed_all) over HTTP, on fastbert's
+padding-free path. The task follows the checkpoint."""
 
 EPILOG = """\
 examples:
   fastbert serve path/to/all-MiniLM-L6-v2               # http://127.0.0.1:8000/v1/embeddings, model "all-MiniLM-L6-v2"
   fastbert serve BAAI/bge-reranker-base --port 8001     # a cross-encoder: /v1/rerank and /v1/classify
+  fastbert serve path/to/splade --port 8002             # a SparseEncoder: /embed_sparse
+  fastbert serve path/to/model --calibration sample.txt # int8/uint8 ranges from your sentences (one a line)
   fastbert serve path/to/model --int8 --api-key "$KEY" --host 0.0.0.0 --instances 4
 
 Clients name the model as --served-model-name says, or leave "model" out. A request may say "priority": "bulk" (or
@@ -67,9 +70,14 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--port", type=_port, default=8000, help="the port, 1-65535 (default: %(default)s)")
     parse.add_argument("--served-model-name", default=None, help="the name clients give as model (default: the "
                        "folder's name, or the Hub id)")
-    parse.add_argument("--task", choices=engine.TASKS, default=None,
-                       help="what to serve (default: from the checkpoint's architecture)")
-    parse.add_argument("--dtype", default="auto", choices=("auto", *engine.DTYPES),
+    parse.add_argument("--task", choices=loading.TASKS, default=None,
+                       help="embeddings or scores, for a checkpoint that is not a sentence-transformers folder "
+                       "(default: from its architecture; a folder's kind decides for it)")
+    parse.add_argument("--calibration", default=None, metavar="FILE",
+                       help="the int8/uint8 ranges of /v1/embeddings: a .npy of float embeddings [n, dim] (as "
+                       "quantize_embeddings' calibration_embeddings) or a text file of sentences, one a line "
+                       "(default: fastbert's 59 shipped sentences), embedded once at start")
+    parse.add_argument("--dtype", default="auto", choices=("auto", *loading.DTYPES),
                        help="the model's precision (default: %(default)s: bfloat16 on a CPU with native bf16 where "
                        "a guard on real sentences passes, else float32; the start line says which)")
     parse.add_argument("--int8", action="store_true", help="int8 GEMMs on the CPU (fastbert.quantize, its accuracy "
@@ -100,15 +108,17 @@ def main(argv: list[str] | None = None) -> None:
     args = command.parse_args(argv)
     try:
         extra.require()
-        engine.settings(args.device, args.dtype, args.int8)
-        engine.locate(args.model)
+        loading.settings(args.device, args.dtype, args.int8)
+        loading.locate(args.model)
+        if args.calibration is not None and not os.path.isfile(args.calibration):
+            raise ValueError(f"--calibration {args.calibration}: no such file")
     except (ModuleNotFoundError, ValueError) as error:
         command.exit(1, f"{command.prog}: error: {error}\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     logger = logging.getLogger("fastbert")
     try:
-        served = engine.load(args.model, device=args.device, dtype=args.dtype, int8=args.int8, task=args.task,
-                             name=args.served_model_name)
+        served = loading.load(args.model, device=args.device, dtype=args.dtype, int8=args.int8, task=args.task,
+                              name=args.served_model_name, calibration=args.calibration)
     except (OSError, ValueError) as error:  # (transformers' messages span lines: one line here)
         command.exit(1, f"{command.prog}: error: {' '.join(str(error).split())}\n")
     from .app import create_app  # (the serve extra: checked above)

@@ -1,12 +1,18 @@
-"""The routes: OpenAI's embeddings, rerank and classify as Cohere, TEI, Infinity and vLLM shape them, models, health
-and Prometheus metrics. Each handler is a plain function of the request; what it serves with (the engine, the
-batcher, the tokenizing threads, the metrics, the key) is the app's state (``app.py``).
+"""The routes: OpenAI's embeddings, rerank and classify as Cohere, TEI, Infinity and vLLM shape them, TEI's sparse
+and token embeddings, models, health and Prometheus metrics. Each handler is a plain function of the request; what
+it serves with (the engine, the batcher, the tokenizing threads, the metrics, the key) is the app's state
+(``app.py``). A model serves the routes of its task (``engine.task``); the others answer 400 saying which it serves.
 
-    POST /v1/embeddings   {"input": str | [str] | [int] | [[int]], "model"?, "encoding_format"?: "float"|"base64",
-                           "dimensions"?: int, "truncate"?: bool, "priority"?: "interactive"|"bulk"}
+    POST /v1/embeddings   {"input": str | [str] | [int] | [[int]], "model"?, "encoding_format"?: "float"|"base64"|
+                           "int8"|"uint8"|"binary"|"ubinary" (formats.py), "dimensions"?: int, "truncate"?: bool,
+                           "priority"?: "interactive"|"bulk"}                                    (embeddings)
     POST /v1/rerank       {"query": str, "documents": [str | {"text": str}], "top_n"?: int,
-                           "return_documents"?: bool, "model"?, "truncate"?, "priority"?}      (also /rerank)
-    POST /v1/classify     {"input": str | [str], "model"?, "truncate"?, "priority"?}          (also /classify)
+                           "return_documents"?: bool, "model"?, "truncate"?, "priority"?}      (also /rerank; scores)
+    POST /v1/classify     {"input": str | [str], "model"?, "truncate"?, "priority"?}     (also /classify; scores)
+    POST /embed_sparse    {"inputs": str | [str], "top_k"?: int, "task"?: "query"|"document", "model"?, "truncate"?,
+                           "priority"?} -> [[{"index": int, "value": float}, ...], ...]               (sparse)
+    POST /embed_all       {"inputs": str | [str], "task"?, "model"?, "truncate"?, "priority"?}
+                           -> [[[float] * dim] * scored tokens, ...]                            (multi_vector)
     GET  /v1/models, /health, /metrics
 
 ``endpoint`` wraps each handler: the one authorization check (every route but /health, when a key is set), the
@@ -18,7 +24,6 @@ request takes turns with small ones; rerank tokenizes its query once and refuses
 """
 
 import asyncio
-import base64
 import hmac
 import time
 import uuid
@@ -28,14 +33,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import memory
+from . import formats, memory
 from .batcher import QueueFull
-from .engine import InputError, describe
-from .protocol import (ApiError, check_model, documents_of, error_response, inputs_of, json_response, positive_int,
-                       priority_of, read_body, truncate_of)
+from .engine import InputError
+from .protocol import (ApiError, check_model, documents_of, error_response, inputs_of, json_response,
+                       json_rows_response, positive_int, priority_of, read_body, task_of, truncate_of)
+from .retrieval import largest
 
 MAX_REQUEST_TOKENS = 300_000  # per request, as OpenAI's
 TEXTS_PER_TASK = 64  # texts tokenized in one go (at most ~64 x 8K characters): then other requests' turn
+# engine.task -> (the model a route of the task needs, the routes that serve it)
+TASKS = {"embeddings": ("a sentence-embedding", "/v1/embeddings"),
+         "scores": ("a cross-encoder or sequence-classification", "/v1/rerank and /v1/classify"),
+         "sparse": ("a SPLADE (SparseEncoder)", "/embed_sparse"),
+         "multi_vector": ("a multi-vector (MultiVectorEncoder)", "/embed_all")}
 
 
 async def embeddings(request: Request) -> Response:
@@ -44,23 +55,35 @@ async def embeddings(request: Request) -> Response:
     body = await _model_request(request, "embeddings", "/v1/embeddings")
     texts, ids = inputs_of(body.get("input"), allow_ids=True)
     encoding = body.get("encoding_format") or "float"
-    if encoding not in ("float", "base64"):
-        raise ApiError(400, f"encoding_format must be 'float' or 'base64', got {encoding!r}", param="encoding_format")
+    if encoding not in formats.FORMATS:
+        raise ApiError(400, f"encoding_format must be one of {', '.join(formats.FORMATS)}, got {encoding!r}",
+                       param="encoding_format")
     dimensions = positive_int(body, "dimensions", None, most=engine.dim)
     truncate = truncate_of(body)
     if texts is not None:
         items = await _tokenized(state, lambda chunk, first: engine.tokenize(chunk, truncate, first), texts)
     else:
         items = await _in_pool(state, engine.token_ids, ids, truncate)
-    vectors = await _run(request, items, priority_of(body, request))  # [n, dim] float32
-    if dimensions is not None and dimensions < engine.dim:
-        vectors = vectors[:, :dimensions]
-        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
-             if encoding == "base64" else row}
-            for i, row in enumerate(vectors)]
+    vectors = formats.truncated(np.stack(await _run(request, items, priority_of(body, request))), dimensions)
+    data = [{"object": "embedding", "index": i, "embedding": embedding}
+            for i, embedding in enumerate(formats.encoded(vectors, encoding, engine.calibration))]
     return json_response({"object": "list", "data": data, "model": engine.name, "usage": _usage(items)})
+
+
+async def embed_sparse(request: Request) -> Response:
+    """TEI's ``/embed_sparse``: each text's non-zero vocabulary entries, ascending, as {"index", "value"}."""
+    engine = request.app.state.engine
+    body = await _model_request(request, "sparse", "/embed_sparse")
+    top_k = positive_int(body, "top_k", engine.splade.top_k)
+    rows = await _retrieval(request, body)
+    return json_rows_response(rows, lambda row: [{"index": int(i), "value": float(v)}
+                                                 for i, v in zip(*largest(*row, top_k))])
+
+
+async def embed_all(request: Request) -> Response:
+    """TEI's ``/embed_all`` shape: each text's token vectors, its scored tokens only (no padding rows)."""
+    body = await _model_request(request, "multi_vector", "/embed_all")
+    return json_rows_response(await _retrieval(request, body), lambda vectors: vectors)
 
 
 async def rerank(request: Request) -> Response:
@@ -84,7 +107,7 @@ async def rerank(request: Request) -> Response:
                        f"the query), more than {MAX_REQUEST_TOKENS}; split it or shorten the query")
     items = await _tokenized(state, lambda chunk, first: engine.pairs(tokenized_query, chunk, truncate, first),
                              documents)
-    logits = await _run(request, items, priority)
+    logits = np.stack(await _run(request, items, priority))
     scores = logits[:, 0] if engine.activation == "identity" else 1 / (1 + np.exp(-logits[:, 0]))
     order = np.argsort(-scores, kind="stable")[:top_n]
     results = [{"index": int(i), "relevance_score": float(scores[i]),
@@ -100,7 +123,7 @@ async def classify(request: Request) -> Response:
     texts, _ = inputs_of(body.get("input"), allow_ids=False)
     truncate = truncate_of(body)
     items = await _tokenized(state, lambda chunk, first: engine.tokenize(chunk, truncate, first), texts)
-    logits = await _run(request, items, priority_of(body, request))
+    logits = np.stack(await _run(request, items, priority_of(body, request)))
     if logits.shape[1] == 1:
         positive = 1 / (1 + np.exp(-logits[:, 0]))
         probs = np.stack([1 - positive, positive], axis=1)
@@ -118,7 +141,7 @@ async def models(request: Request) -> Response:
     state = request.app.state
     return json_response({"object": "list", "data": [{"id": state.engine.name, "object": "model",
                                                       "created": state.created, "owned_by": "fastbert",
-                                                      **describe(state.engine)}]})
+                                                      **state.engine.describe()}]})
 
 
 async def health(request: Request) -> Response:
@@ -139,10 +162,22 @@ async def _model_request(request: Request, task: str, route: str) -> dict:
     body = await read_body(request, state.max_body_bytes)
     check_model(body, state.engine.name)
     if state.engine.task != task:
-        needed = "a sentence-embedding" if task == "embeddings" else "a cross-encoder or sequence-classification"
-        served = "embeddings (/v1/embeddings)" if state.engine.task == "embeddings" else "rerank and classify"
-        raise ApiError(400, f"{route} needs {needed} model; this server's model does {served}")
+        needed, served = TASKS[task][0], TASKS[state.engine.task][1]
+        raise ApiError(400, f"{route} needs {needed} model; this server's model serves {served}")
     return body
+
+
+async def _retrieval(request: Request, body: dict) -> list:
+    """The rows of a sparse or multi-vector request (TEI's ``inputs``, ``task``, ``truncate``, ``priority``)."""
+    state = request.app.state
+    engine = state.engine
+    texts, _ = inputs_of(body.get("inputs"), allow_ids=False, field="inputs")
+    task, truncate, priority = task_of(body), truncate_of(body), priority_of(body, request)
+    if task in engine.refused:
+        raise ApiError(400, engine.refused[task], param="task")
+    items = await _tokenized(state, lambda chunk, first: engine.tokenize(chunk, truncate, first, "inputs", task),
+                             texts)
+    return await _run(request, items, priority)
 
 
 async def _in_pool(state, function, *args):
@@ -166,8 +201,9 @@ async def _tokenized(state, tokenize, texts: list[str]) -> list:
     return items
 
 
-async def _run(request: Request, items, priority: str) -> np.ndarray:
-    """The rows of ``items``, unless the client goes away first (then the work is dropped)."""
+async def _run(request: Request, items, priority: str) -> list:
+    """The rows of ``items`` (``engine.run``'s, in order), unless the client goes away first (then the work is
+    dropped)."""
     if sum(len(item.ids) for item in items) > MAX_REQUEST_TOKENS:
         raise ApiError(400, f"the request has more than {MAX_REQUEST_TOKENS} tokens; split it")
     submitted = asyncio.ensure_future(request.app.state.batcher.submit(items, priority, request.state.arrived))
@@ -245,6 +281,8 @@ ROUTES = [Route("/v1/embeddings", endpoint("embeddings", embeddings), methods=["
           Route("/rerank", endpoint("rerank", rerank), methods=["POST"]),
           Route("/v1/classify", endpoint("classify", classify), methods=["POST"]),
           Route("/classify", endpoint("classify", classify), methods=["POST"]),
+          Route("/embed_sparse", endpoint("embed_sparse", embed_sparse), methods=["POST"]),
+          Route("/embed_all", endpoint("embed_all", embed_all), methods=["POST"]),
           Route("/v1/models", endpoint("models", models), methods=["GET"]),
           Route("/health", endpoint("health", health, public=True), methods=["GET"]),
           Route("/metrics", endpoint("metrics", metrics), methods=["GET"])]

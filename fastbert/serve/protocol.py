@@ -1,10 +1,10 @@
 """The wire format every route shares: OpenAI's error body, a JSON body read within its size limit, and the checks of
-the fields several routes take (``model``, ``truncate``, ``priority``, ``input``), each failing with the 4xx and the
-message that name the field -- before anything is tokenized or run."""
+the fields several routes take (``model``, ``truncate``, ``priority``, ``input``, ``task``), each failing with the
+4xx and the message that name the field -- before anything is tokenized or run."""
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from .batcher import PRIORITIES
 
@@ -22,6 +22,18 @@ class ApiError(Exception):
 def json_response(content, status: int = 200, headers: dict | None = None) -> Response:
     return Response(orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
                     media_type="application/json", headers=headers)
+
+
+def json_rows_response(rows, encode_row) -> StreamingResponse:
+    """A JSON list of ``encode_row(row)`` for each row, written a row at a time: a request's answer of up to its
+    300,000 tokens' vectors (hundreds of MB of JSON, seconds of encoding) never holds the event loop for more than
+    one row -- Starlette runs the generator in a thread, and other requests go on between rows."""
+    def chunks():
+        for i, row in enumerate(rows):
+            yield (b"[" if i == 0 else b",") + orjson.dumps(encode_row(row), option=orjson.OPT_SERIALIZE_NUMPY)
+        yield b"]" if rows else b"[]"
+
+    return StreamingResponse(chunks(), media_type="application/json")
 
 
 def error_response(error: ApiError) -> Response:
@@ -90,29 +102,38 @@ def positive_int(body: dict, name: str, default: int | None, most: int | None = 
     return value
 
 
-def inputs_of(value, allow_ids: bool) -> tuple[list[str] | None, list[list[int]] | None]:
-    """OpenAI's ``input``: a string, a list of strings, a list of token ids or a list of such lists -> (texts, None)
-    or (None, token id lists)."""
+def inputs_of(value, allow_ids: bool, field: str = "input") -> tuple[list[str] | None, list[list[int]] | None]:
+    """OpenAI's ``input`` (TEI's ``inputs``: ``field``): a string, a list of strings, a list of token ids or a list of
+    such lists -> (texts, None) or (None, token id lists)."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value:
-        raise ApiError(400, "input must be a non-empty string, a list of strings"
-                       + (", a list of token ids or a list of token-id lists" if allow_ids else ""), param="input")
+        raise ApiError(400, f"{field} must be a non-empty string, a list of strings"
+                       + (", a list of token ids or a list of token-id lists" if allow_ids else ""), param=field)
     if len(value) > MAX_INPUTS:
-        raise ApiError(400, f"input has {len(value)} items, more than {MAX_INPUTS}; split the request",
-                       param="input")
+        raise ApiError(400, f"{field} has {len(value)} items, more than {MAX_INPUTS}; split the request",
+                       param=field)
     if all(isinstance(v, str) for v in value):
         empty = next((i for i, v in enumerate(value) if _blank(v)), None)
         if empty is not None:
-            raise ApiError(400, f"input[{empty}] is an empty string", param="input")
+            raise ApiError(400, f"{field}[{empty}] is an empty string", param=field)
         return value, None
     if allow_ids and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return None, [value]
     if allow_ids and all(isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
                          for v in value):
         return None, value
-    raise ApiError(400, "input mixes types: give strings, or token ids" if allow_ids else
-                   "input must be strings", param="input")
+    raise ApiError(400, f"{field} mixes types: give strings, or token ids" if allow_ids else
+                   f"{field} must be strings", param=field)
+
+
+def task_of(body: dict) -> str | None:
+    """``task`` of a sparse or multi-vector request: left out or null (``encode``), "query" or "document"
+    (``encode_query`` / ``encode_document``)."""
+    task = body.get("task")
+    if task not in (None, "query", "document"):
+        raise ApiError(400, f"task must be \"query\", \"document\" or null, got {task!r}", param="task")
+    return task
 
 
 def documents_of(body: dict) -> list[str]:
