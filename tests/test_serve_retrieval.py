@@ -72,7 +72,7 @@ def test_sparse_equals_sparse_encoder(tmp_path, family, padding_side):
     folder = splade_folder(tmp_path, family=family, activation="log1p_relu", padding_side=padding_side)
     model = st.SparseEncoder(folder, device="cpu")
     expected = model.encode(TEXTS, batch_size=3 if padding_side == "right" else 1).to_dense()
-    many, one = ask(create_app(load(folder), max_batch_tokens=BUDGET),
+    many, one = ask(create_app(load(folder, dtype="float32"), max_batch_tokens=BUDGET),
                     ("/embed_sparse", {"inputs": TEXTS}), ("/embed_sparse", {"inputs": TEXTS[3]}))
     assert_same_sparse(sparse_rows(many), expected)
     assert_same_sparse(sparse_rows(one), expected[3:4])
@@ -85,7 +85,7 @@ def test_sparse_top_k_and_prompts(tmp_path):
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "prompts": {"query": "search: "}, "max_active_dims": 9}))
     model = st.SparseEncoder(folder, device="cpu")
-    given, default, query = ask(create_app(load(folder), max_batch_tokens=BUDGET),
+    given, default, query = ask(create_app(load(folder, dtype="float32"), max_batch_tokens=BUDGET),
                                 ("/embed_sparse", {"inputs": TEXTS, "top_k": 5}),
                                 ("/embed_sparse", {"inputs": TEXTS}),
                                 ("/embed_sparse", {"inputs": TEXTS, "task": "query", "top_k": 3000}))
@@ -100,7 +100,7 @@ def test_inference_free_splade_serves_its_splade_route(tmp_path):
     naming the task."""
     folder = inference_free_folder(tmp_path)
     model = st.SparseEncoder(folder, device="cpu")
-    document, default, query = ask(create_app(load(folder), max_batch_tokens=BUDGET),
+    document, default, query = ask(create_app(load(folder, dtype="float32"), max_batch_tokens=BUDGET),
                                    ("/embed_sparse", {"inputs": TEXTS, "task": "document"}),
                                    ("/embed_sparse", {"inputs": TEXTS}),
                                    ("/embed_sparse", {"inputs": TEXTS, "task": "query"}))
@@ -117,7 +117,7 @@ def test_multi_vector_equals_multi_vector_encoder(tmp_path, padding_side):
     folder = multi_vector_folder(tmp_path, padding_side, dense_activation=torch.nn.Tanh(), bias=True,
                                  prompts={"query": "query: ", "document": "passage: "})
     model = st.MultiVectorEncoder(folder, device="cpu")
-    responses = ask(create_app(load(folder), max_batch_tokens=BUDGET),
+    responses = ask(create_app(load(folder, dtype="float32"), max_batch_tokens=BUDGET),
                     *(("/embed_all", {"inputs": TEXTS, "task": task}) for task in ENCODE),
                     ("/embed_all", {"inputs": TEXTS[2]}))
     for task, response in zip(ENCODE, responses):
@@ -137,7 +137,7 @@ def test_multi_vector_query_expansion(tmp_path, expansion, padding_side):
     padding side), scored there; attended to or not. Documents beside them in the same batches are not expanded."""
     folder = multi_vector_folder(tmp_path, padding_side, query_expansion=expansion)
     model = st.MultiVectorEncoder(folder, device="cpu")
-    queries, documents = ask(create_app(load(folder), max_batch_tokens=BUDGET),
+    queries, documents = ask(create_app(load(folder, dtype="float32"), max_batch_tokens=BUDGET),
                              ("/embed_all", {"inputs": TEXTS, "task": "query"}),
                              ("/embed_all", {"inputs": TEXTS, "task": "document"}))
     batch_size = 3 if padding_side == "right" else 1  # (left padding shifts positions in a batch of documents)
@@ -152,7 +152,7 @@ def test_multi_vector_truncate_dim(tmp_path):
     config_path = tmp_path / "multi" / "config_sentence_transformers.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "truncate_dim": 8}))
     model = st.MultiVectorEncoder(folder, device="cpu")
-    (response,) = ask(create_app(load(folder), max_batch_tokens=BUDGET), ("/embed_all", {"inputs": TEXTS}))
+    (response,) = ask(create_app(load(folder, dtype="float32"), max_batch_tokens=BUDGET), ("/embed_all", {"inputs": TEXTS}))
     vectors = token_vectors(response)
     assert vectors[0].shape[1] == 8
     assert_same_vectors(vectors, model.encode(TEXTS))
@@ -160,12 +160,12 @@ def test_multi_vector_truncate_dim(tmp_path):
 
 @pytest.fixture(scope="module")
 def sparse_engine(tmp_path_factory):
-    return load(splade_folder(tmp_path_factory.mktemp("splade")), name="splade")
+    return load(splade_folder(tmp_path_factory.mktemp("splade")), name="splade", dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def multi_vector_engine(tmp_path_factory):
-    return load(multi_vector_folder(tmp_path_factory.mktemp("multi")), name="colbert")
+    return load(multi_vector_folder(tmp_path_factory.mktemp("multi")), name="colbert", dtype="float32")
 
 
 REFUSED = [  # (engine, path, body, the field named (None: the route itself), a fragment of the message)
