@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from . import announce
+from . import announce, run
 
 ENV_NUM_THREADS = "FASTBERT_NUM_THREADS"
 SAMPLE_SECONDS = 0.25  # /proc/stat counts in 10 ms ticks: a quarter second of 2 CPUs is 50 of them
@@ -331,18 +331,27 @@ def report() -> dict:
 def in_own_thread(work, *args, threads: int | None = None):
     """``work(*args)`` in a short-lived thread running ``threads`` threads (default ``most()``): its OpenMP pool, if
     it makes one, ends with it, so a process forked later from the caller's thread does not hang. Its exception is
-    re-raised here."""
-    result, failure = [], []
-    threads = threads or most()
+    re-raised here.
 
-    def run():
+    Inside a fastbert forward (a decision's first measurement), or in a thread that ran a multi-threaded one, the
+    work runs in place: the forward's own threads run here anyway, so nothing new is left behind, and a second pool
+    beside this thread's would run slower than the forwards it decides for (GNU OpenMP with more threads than CPUs
+    puts idle workers to sleep at once; seen: a 128-token bf16 GEMM on 2 threads at 1-thread speed, and the
+    measurement calling the machine busy). Not in a process forked after a multi-threaded forward: its pool hangs."""
+    threads = threads or most()
+    if not _forked_with_pool and (getattr(_state, "parallel", False) or run.current() is not None):
+        with running(threads):
+            return work(*args)
+    result, failure = [], []
+
+    def body():
         try:
             with running(threads):
                 result.append(work(*args))
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(error)
 
-    helper = threading.Thread(target=run, name="fastbert-measure", daemon=True)
+    helper = threading.Thread(target=body, name="fastbert-measure", daemon=True)
     helper.start()
     helper.join()
     if failure:

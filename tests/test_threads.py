@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import announce, cpu, threads
+from fastbert import announce, cpu, run, threads
 
 CHILD_ALARM = 60
 
@@ -380,3 +381,26 @@ def test_instances_share_the_threads(tmp_path):
 def test_info_reports_threads():
     report = fastbert.info()["threads"]
     assert set(report) >= {"torch", "limit", "why", "affinity", "cgroup_quota", "adapts_to_load", "last_forward"}
+
+
+def test_a_measurement_inside_a_forward_runs_in_the_forwards_thread():
+    """A decision's first measurement, made inside a forward, runs in the forward's thread (whose OpenMP pool exists
+    or is about to): in a second pool beside it, GNU OpenMP (more threads than CPUs) puts idle workers to sleep at
+    once, and short GEMMs would be timed slower than the forward runs them. Outside a forward, from a thread without
+    a pool, it runs in a thread of its own, whose pool ends with it (a later fork does not hang)."""
+    outside = []
+    caller = threading.Thread(target=lambda: outside.append(threads.in_own_thread(threading.get_ident)))
+    caller.start()
+    caller.join()
+    assert outside[0] != caller.ident
+
+    inside = []
+
+    def forward_thread():
+        with run.Run():
+            inside.append(threads.in_own_thread(threading.get_ident))
+
+    caller = threading.Thread(target=forward_thread)
+    caller.start()
+    caller.join()
+    assert inside[0] == caller.ident
