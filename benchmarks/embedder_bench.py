@@ -63,18 +63,33 @@ def _pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
 
 
+class _Encoder(torch.nn.Module):
+    """input_ids, attention_mask, token_type_ids -> last_hidden_state: the graph the engines run (by name: the order
+    of BertModel.forward's parameters differs between transformers releases)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          token_type_ids=token_type_ids).last_hidden_state
+
+
 def _exported(path: str, folder: str) -> str:
     """The MiniLM encoder exported to ONNX (dynamic batch and length), as optimum exports it for the backends."""
     import transformers
 
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     onnx_path = os.path.join(folder, "model.onnx")
-    ids = torch.ones(2, 16, dtype=torch.long)
-    torch.onnx.export(model, (ids, torch.ones_like(ids), torch.zeros_like(ids)), onnx_path, dynamo=False,
-                      input_names=["input_ids", "attention_mask", "token_type_ids"],
-                      output_names=["last_hidden_state"], opset_version=17,
-                      dynamic_axes={name: {0: "batch", 1: "sequence"} for name in
-                                    ("input_ids", "attention_mask", "token_type_ids", "last_hidden_state")})
+    ids = torch.full((2, 16), 1000, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # a padded row: the padding mask must be traced, not folded away
+    names = ("input_ids", "attention_mask", "token_type_ids", "last_hidden_state")
+    with torch.no_grad():
+        torch.onnx.export(_Encoder(model).eval(), (ids, mask, torch.zeros_like(ids)), onnx_path, dynamo=False,
+                          input_names=list(names[:3]), output_names=[names[3]], opset_version=17,
+                          dynamic_axes={name: {0: "batch", 1: "sequence"} for name in names})
     return onnx_path
 
 
@@ -88,6 +103,20 @@ def providers(path: str, folder: str, log):
     st = SentenceTransformer(path, device="cpu")
     built = {"st": lambda texts: st.encode(texts, batch_size=32)}
     onnx_path = _exported(path, folder)
+
+    def st_recipe(run_hidden):
+        """sentence-transformers' batching, mean pooling and normalization around an engine's encoder:
+        run_hidden({input name: int64 [B, S]}) -> last hidden state [B, S, H]."""
+        def encode(texts):
+            out = np.empty((len(texts), st.get_sentence_embedding_dimension()), dtype=np.float32)
+            for rows, batch in _st_batches(tokenizer, texts):
+                hidden = run_hidden({k: batch[k].astype(np.int64) for k in ("input_ids", "attention_mask",
+                                                                             "token_type_ids")})
+                out[rows] = _pooled(hidden, batch["attention_mask"])
+            return out
+
+        return encode
+
     try:
         import openvino as ov
 
@@ -97,15 +126,7 @@ def providers(path: str, folder: str, log):
         log(f"openvino: OpenVINO {ov.__version__}, inference precision "
             f"{compiled.get_property('INFERENCE_PRECISION_HINT')} (its default here)")
 
-        def openvino(texts):
-            out = np.empty((len(texts), st.get_sentence_embedding_dimension()), dtype=np.float32)
-            for rows, batch in _st_batches(tokenizer, texts):
-                hidden = compiled({k: batch[k].astype(np.int64) for k in ("input_ids", "attention_mask",
-                                                                          "token_type_ids")})[0]
-                out[rows] = _pooled(hidden, batch["attention_mask"])
-            return out
-
-        built["openvino"] = openvino
+        built["openvino"] = st_recipe(lambda inputs: compiled(inputs)[0])
     except ImportError:
         log("openvino: not run (openvino is not installed: the bench extra)")
     try:
@@ -115,15 +136,7 @@ def providers(path: str, folder: str, log):
         options.intra_op_num_threads = torch.get_num_threads()
         session = onnxruntime.InferenceSession(onnx_path, options, providers=["CPUExecutionProvider"])
 
-        def onnx(texts):
-            out = np.empty((len(texts), st.get_sentence_embedding_dimension()), dtype=np.float32)
-            for rows, batch in _st_batches(tokenizer, texts):
-                hidden = session.run(None, {k: batch[k].astype(np.int64) for k in ("input_ids", "attention_mask",
-                                                                                 "token_type_ids")})[0]
-                out[rows] = _pooled(hidden, batch["attention_mask"])
-            return out
-
-        built["onnxruntime"] = onnx
+        built["onnxruntime"] = st_recipe(lambda inputs: session.run(None, inputs)[0])
     except ImportError:
         log("onnxruntime: not run (onnxruntime is not installed)")
     embedder = fastbert.corpus.Embedder(path)
