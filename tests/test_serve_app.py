@@ -5,6 +5,7 @@ time goes in the metrics, classify's labels, the served name, the app mounted in
 calibration of quantized formats (fixed at load, whatever a request holds)."""
 
 import asyncio
+import dataclasses
 import base64
 import os
 import time
@@ -307,3 +308,37 @@ def test_calibration_from_sentences_or_embeddings(engine, tmp_path, minilm):
                             (expected[:1], r"got \[1, 384\]"), (np.zeros((4, 384), np.int64), "2-D float array")):
         with pytest.raises(ValueError, match="calibration embeddings: .*" + fragment):
             Embeddings(engine.model, engine.tokenizer, "model", engine.sentence, calibration=wrong)
+
+
+def test_embeddings_apply_the_folders_prompts(engine, minilm):
+    """A folder with prompts: /v1/embeddings without a task gives encode's vectors (its default prompt), with task
+    "query" / "document" encode_query's / encode_document's; a task on token ids is refused, as is a prompt the
+    pooling leaves out."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    prompts = {"query": "query: ", "document": "passage: ", "plain": "text: "}
+    sentence = dataclasses.replace(engine.sentence, prompts=tuple(prompts.items()), default_prompt_name="plain")
+    served = Embeddings(engine.model, engine.tokenizer, "model", sentence)
+    reference = sentence_transformers.SentenceTransformer(minilm, device="cpu", prompts=prompts,
+                                                          default_prompt_name="plain")
+    texts = [SENTENCE, "short", SENTENCE * 3]
+    app = create_app(served)
+
+    async def ask():
+        async with client_of(app) as client:
+            answers = {task: (await client.post("/v1/embeddings", json={"input": texts, "task": task})).json()
+                       for task in (None, "query", "document")}
+            on_ids = await client.post("/v1/embeddings", json={"input": [[101, 2023, 102]], "task": "query"})
+            return answers, on_ids
+
+    answers, on_ids = asyncio.run(ask())
+    app.state.batcher.close()
+    want = {None: reference.encode(texts), "query": reference.encode_query(texts),
+            "document": reference.encode_document(texts)}
+    for task, expected in want.items():
+        got = np.array([d["embedding"] for d in answers[task]["data"]], dtype=np.float32)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5, err_msg=str(task))
+    assert not np.allclose(want[None], want["query"], atol=1e-3)  # (the prompts change the vectors)
+    assert on_ids.status_code == 400 and on_ids.json()["error"]["param"] == "task"
+    left_out = dataclasses.replace(sentence, include_prompt=False)
+    with pytest.raises(ValueError, match="leaves its default prompt 'text: ' out"):
+        Embeddings(engine.model, engine.tokenizer, "model", left_out)

@@ -1,8 +1,8 @@
 """What the server runs: a model and its tokenizer, made into the task its checkpoint was made for.
 
-- ``Embeddings``: a sentence-transformers folder (its pooling, normalization, ``max_seq_length`` and lowercasing:
-  ``sentence.py``) or a plain encoder (mean pooling, normalized); with the calibration its int8/uint8 outputs are
-  quantized by (``formats.py``).
+- ``Embeddings``: a sentence-transformers folder (its pooling, normalization, ``max_seq_length``, lowercasing and
+  prompts: ``sentence.py``) or a plain encoder (mean pooling, normalized); with the calibration its int8/uint8
+  outputs are quantized by (``formats.py``).
 - ``Scores``: a sequence-classification head (a cross-encoder reranker, a classifier). Rerank scores (query,
   document) pairs with the cross-encoder's activation (sigmoid for one label, as ``CrossEncoder.predict``); classify
   gives each text's label and probabilities.
@@ -81,6 +81,9 @@ class Embeddings(Engine):
         if not hasattr(model, "forward_packed"):
             raise ValueError(f"{type(model).__name__} is not a family fastbert accelerates, so it cannot be served "
                              "padding-free")
+        if sentence.prompt(None) and not sentence.include_prompt:
+            raise ValueError(f"{name}: its pooling leaves its default prompt {sentence.prompt(None)!r} out "
+                             "(include_prompt=False), which fastbert does not reproduce")
         limit = model_limit(model, tokenizer)
         super().__init__(model, tokenizer, name, min(sentence.max_length or limit, limit), sentence.lowercase)
         self.sentence = sentence
@@ -90,6 +93,16 @@ class Embeddings(Engine):
             texts = usable_texts(tokenizer, None)[0] if calibration is None else calibration
             calibration = self.run(self.tokenize(texts, truncate=True))
         self.calibration = formats.Calibration(calibration, self.dim)
+
+    def tokenize(self, texts: list[str], truncate: bool, first: int = 0, field: str = "input",
+                 task: str | None = None) -> list[Item]:
+        """As ``Engine.tokenize``, each text after the task's prompt (``Sentence.prompt``: None is ``encode``'s, the
+        folder's default prompt; "query" / "document" are ``encode_query`` / ``encode_document``'s)."""
+        prompt = self.sentence.prompt(task)
+        if prompt and not self.sentence.include_prompt:
+            raise InputError(f"task {task!r}: the model's pooling leaves its prompt {prompt!r} out "
+                             "(include_prompt=False), which fastbert does not reproduce", "task")
+        return super().tokenize([prompt + text for text in texts] if prompt else texts, truncate, first, field)
 
     def token_ids(self, rows: list[list[int]], truncate: bool) -> list[Item]:
         """Token ids given by the client (run as they are: no special tokens added), checked against the vocabulary."""

@@ -5,7 +5,7 @@ it serves with (the engine, the batcher, the tokenizing threads, the metrics, th
 
     POST /v1/embeddings   {"input": str | [str] | [int] | [[int]], "model"?, "encoding_format"?: "float"|"base64"|
                            "int8"|"uint8"|"binary"|"ubinary" (formats.py), "dimensions"?: int, "truncate"?: bool,
-                           "priority"?: "interactive"|"bulk"}                                    (embeddings)
+                           "task"?: "query"|"document", "priority"?: "interactive"|"bulk"}       (embeddings)
     POST /v1/rerank       {"query": str, "documents": [str | {"text": str}], "top_n"?: int,
                            "return_documents"?: bool, "model"?, "truncate"?, "priority"?}      (also /rerank; scores)
     POST /v1/classify     {"input": str | [str], "model"?, "truncate"?, "priority"?}     (also /classify; scores)
@@ -59,12 +59,16 @@ async def embeddings(request: Request) -> Response:
         raise ApiError(400, f"encoding_format must be one of {', '.join(formats.FORMATS)}, got {encoding!r}",
                        param="encoding_format")
     dimensions = positive_int(body, "dimensions", None, most=engine.dim)
-    truncate = truncate_of(body)
+    truncate, task, priority = truncate_of(body), task_of(body), priority_of(body, request)
     if texts is not None:
-        items = await _tokenized(state, lambda chunk, first: engine.tokenize(chunk, truncate, first), texts)
+        items = await _tokenized(state, lambda chunk, first: engine.tokenize(chunk, truncate, first, task=task),
+                                 texts)
+    elif task is not None:
+        raise ApiError(400, "task applies to texts (its prompt is text); token-id inputs are run as they are",
+                       param="task")
     else:
         items = await _in_pool(state, engine.token_ids, ids, truncate)
-    vectors = formats.truncated(np.stack(await _run(request, items, priority_of(body, request))), dimensions)
+    vectors = formats.truncated(np.stack(await _run(request, items, priority)), dimensions)
     data = [{"object": "embedding", "index": i, "embedding": embedding}
             for i, embedding in enumerate(formats.encoded(vectors, encoding, engine.calibration))]
     return json_response({"object": "list", "data": data, "model": engine.name, "usage": _usage(items)})
@@ -121,9 +125,9 @@ async def classify(request: Request) -> Response:
     engine = state.engine
     body = await _model_request(request, "scores", "classify")
     texts, _ = inputs_of(body.get("input"), allow_ids=False)
-    truncate = truncate_of(body)
+    truncate, priority = truncate_of(body), priority_of(body, request)
     items = await _tokenized(state, lambda chunk, first: engine.tokenize(chunk, truncate, first), texts)
-    logits = np.stack(await _run(request, items, priority_of(body, request)))
+    logits = np.stack(await _run(request, items, priority))
     if logits.shape[1] == 1:
         positive = 1 / (1 + np.exp(-logits[:, 0]))
         probs = np.stack([1 - positive, positive], axis=1)

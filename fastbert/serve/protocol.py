@@ -128,8 +128,8 @@ def inputs_of(value, allow_ids: bool, field: str = "input") -> tuple[list[str] |
 
 
 def task_of(body: dict) -> str | None:
-    """``task`` of a sparse or multi-vector request: left out or null (``encode``), "query" or "document"
-    (``encode_query`` / ``encode_document``)."""
+    """``task`` of an embeddings, sparse or multi-vector request: left out or null (``encode``), "query" or
+    "document" (``encode_query`` / ``encode_document``: the folder's prompt for it)."""
     task = body.get("task")
     if task not in (None, "query", "document"):
         raise ApiError(400, f"task must be \"query\", \"document\" or null, got {task!r}", param="task")
