@@ -95,19 +95,27 @@ def test_sparse_top_k_and_prompts(tmp_path):
     assert max(len(row) for row in default.json()) == 9
 
 
-def test_inference_free_splade_serves_its_splade_route(tmp_path):
-    """Documents (and no task: the default route) run SPLADE; queries, whose route is a static lookup, are refused
-    naming the task."""
+def test_inference_free_splade_serves_both_routes(tmp_path):
+    """Documents (and no task: the default route) run SPLADE; queries, routed to the static lookup, get
+    encode_query's entries (no special tokens, cut at the tokenizer's length; top-k too); a query cut there is
+    refused with truncate false."""
     folder = inference_free_folder(tmp_path)
     model = st.SparseEncoder(folder, device="cpu")
-    document, default, query = ask(create_app(load(folder, dtype="float32"), max_batch_tokens=BUDGET),
-                                   ("/embed_sparse", {"inputs": TEXTS, "task": "document"}),
-                                   ("/embed_sparse", {"inputs": TEXTS}),
-                                   ("/embed_sparse", {"inputs": TEXTS, "task": "query"}))
+    long_query = " ".join(["word"] * 600)
+    document, default, query, top, long, refused = ask(
+        create_app(load(folder, dtype="float32"), max_batch_tokens=BUDGET),
+        ("/embed_sparse", {"inputs": TEXTS, "task": "document"}), ("/embed_sparse", {"inputs": TEXTS}),
+        ("/embed_sparse", {"inputs": TEXTS, "task": "query"}),
+        ("/embed_sparse", {"inputs": TEXTS, "task": "query", "top_k": 2}),
+        ("/embed_sparse", {"inputs": [long_query + " tail"], "task": "query"}),
+        ("/embed_sparse", {"inputs": ["x", long_query], "task": "query", "truncate": False}))
     assert_same_sparse(sparse_rows(document), model.encode_document(TEXTS))
     assert_same_sparse(sparse_rows(default), model.encode(TEXTS))
-    assert query.status_code == 400 and query.json()["error"]["param"] == "task"
-    assert "static lookup" in query.json()["error"]["message"]
+    assert_same_sparse(sparse_rows(query), model.encode_query(TEXTS))
+    assert_same_sparse(sparse_rows(top), model.encode_query(TEXTS, max_active_dims=2))
+    assert_same_sparse(sparse_rows(long), model.encode_query([long_query + " tail"]))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "inputs"
+    assert "inputs[1]" in refused.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])

@@ -179,6 +179,11 @@ async def _retrieval(request: Request, body: dict) -> list:
     task, truncate, priority = task_of(body), truncate_of(body), priority_of(body, request)
     if task in engine.refused:
         raise ApiError(400, engine.refused[task], param="task")
+    if task in engine.lookups:  # (inference-free SPLADE's queries: a lookup, no forward, in the tokenizing threads)
+        lookup = engine.lookups[task]
+        items = await _tokenized(state, lambda chunk, first: lookup.tokenize(chunk, truncate, first, "inputs", task),
+                                 texts)
+        return await _in_pool(state, lookup.run, items)
     items = await _tokenized(state, lambda chunk, first: engine.tokenize(chunk, truncate, first, "inputs", task),
                              texts)
     return await _run(request, items, priority)

@@ -84,7 +84,7 @@ def load(model: str, *, device: str = "cpu", dtype: str = "auto", int8: bool = F
         raise ValueError(f"task={task!r}: expected one of {', '.join(TASKS)}")
     model = locate(os.fspath(model))
     where, torch_dtype = settings(device, dtype, int8)
-    sentence, refused = Sentence.read(model), {}
+    sentence, refused, lookups = Sentence.read(model), {}, {}
     if sentence.kind != "dense" and task is not None:
         raise ValueError(f"task={task!r}: {model} is a {sentence.kind} model (config_sentence_transformers.json), "
                          f"served as one whatever the task")
@@ -92,7 +92,7 @@ def load(model: str, *, device: str = "cpu", dtype: str = "auto", int8: bool = F
         raise ValueError(f"calibration: {model} is a {sentence.kind} model; the calibration is of sentence "
                          "embeddings' int8/uint8 outputs (/v1/embeddings)")
     if sentence.kind == "sparse":
-        sentence, refused = sparse_routes(model)
+        sentence, refused, lookups = sparse_routes(model)
     config = transformers.AutoConfig.from_pretrained(sentence.transformer)
     scores = task == "scores" or (task is None and not sentence.sentence_transformers and any(
         a.endswith("ForSequenceClassification") for a in (config.architectures or [])))
@@ -115,7 +115,7 @@ def load(model: str, *, device: str = "cpu", dtype: str = "auto", int8: bool = F
     if scores:
         served = Scores(loaded, tokenizer, name, _cross_encoder_activation(config))
     elif sentence.kind == "sparse":
-        served = SparseEmbeddings(loaded, tokenizer, name, sentence, refused)
+        served = SparseEmbeddings(loaded, tokenizer, name, sentence, refused, lookups)
     elif sentence.kind == "multi_vector":
         served = MultiVectors(loaded, tokenizer, name, sentence)
     else:

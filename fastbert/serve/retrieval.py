@@ -2,8 +2,8 @@
 ``fastbert.corpus.Embedder`` gives on them -- their ``encode``'s outputs -- from the server's packed batches:
 
 - ``SparseEmbeddings``: a SparseEncoder (SPLADE) folder -> each text's (indices, values), the non-zero vocabulary
-  entries of its SpladePooling vector, ascending (``MLMHead.splade_packed``). Inference-free SPLADE (a Router) is
-  served on its SPLADE route; a task whose route is its static lookup is refused.
+  entries of its SpladePooling vector, ascending (``MLMHead.splade_packed``). Inference-free SPLADE (a Router): the
+  tasks routed to SPLADE run it; a task routed to the static lookup (its queries) runs ``StaticLookup``, no forward.
 - ``MultiVectors``: a MultiVectorEncoder (ColBERT-style) folder -> each text's token vectors [tokens, dim], its
   scored tokens only, no padding rows (``multi_vector.packed_token_vectors``), cut to the folder's ``truncate_dim``
   and normalized again.
@@ -16,6 +16,8 @@ carrying what it needs (``engine.Item``), so that requests of every task share o
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+import transformers
 
 from .. import retrieval
 from ..multi_vector import packed_token_vectors, token_vectors
@@ -39,6 +41,7 @@ class _Retrieval(Engine):
             by_length.setdefault(length, Tokens(tokenizer, length, sentence.lowercase))
         self.tokens_of = {task: by_length[length] for task, length in lengths.items()}
         self.refused: dict[str | None, str] = {}  # task -> why this server does not serve it
+        self.lookups: dict[str | None, StaticLookup] = {}  # task -> its static lookup (no forward)
 
     def tokenize(self, texts: list[str], truncate: bool, first: int = 0, field: str = "inputs",
                  task: str | None = None) -> list[Item]:
@@ -59,9 +62,11 @@ class _Retrieval(Engine):
 class SparseEmbeddings(_Retrieval):
     task = "sparse"
 
-    def __init__(self, model, tokenizer, name: str, sentence: Sentence, refused: dict | None = None):
+    def __init__(self, model, tokenizer, name: str, sentence: Sentence, refused: dict | None = None,
+                 lookups: dict | None = None):
         """``model``: the SPLADE route's masked-LM model (``fastbert.AutoModelForMaskedLM``); ``refused``: the tasks
-        whose route is another (``sparse_routes``)."""
+        whose route is another SPLADE model; ``lookups``: {task: ``StaticLookup``} for the tasks routed to a static
+        lookup (``sparse_routes``)."""
         head = MLMHead.of(model)
         if isinstance(head, str):
             raise ValueError(f"{name}: its SPLADE model cannot run fastbert's fused head: {head}")
@@ -70,6 +75,7 @@ class SparseEmbeddings(_Retrieval):
         super().__init__(model, tokenizer, name, sentence, dict.fromkeys(RETRIEVAL_TASKS, length))
         self.head, self.splade = head, sentence.head
         self.refused.update(refused or {})
+        self.lookups.update(lookups or {})
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
 
     def run(self, items: list[Item]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -92,10 +98,40 @@ def largest(indices: np.ndarray, values: np.ndarray, k: int | None) -> tuple[np.
     return indices[keep], values[keep]
 
 
-def sparse_routes(model: str) -> tuple[Sentence, dict]:
+class StaticLookup:
+    """Inference-free SPLADE's query side (a SparseStaticEmbedding route): each text's distinct token ids, valued by
+    the route's weight (``retrieval.static_sparse``, as ``fastbert.corpus.Embedder`` gives them). Its tokens are as
+    the route's tokenizer makes them with no special tokens, cut at its length; no forward: the server runs it in
+    the tokenizing threads."""
+
+    # The tokenizer's length, where it names one: a longer text passes the server's token limit of a request (300K)
+    # and is refused anyway.
+    MOST_TOKENS = 1 << 20
+
+    def __init__(self, sentence: Sentence):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(sentence.head.static)
+        self.sentence, self.max_length = sentence, min(tokenizer.model_max_length, self.MOST_TOKENS)
+        self.tokens = Tokens(tokenizer, self.max_length, sentence.lowercase, special_tokens=False)
+        self.weight = retrieval.load_weights(sentence.head.static)["weight"].float()  # [vocab]
+
+    def tokenize(self, texts: list[str], truncate: bool, first: int, field: str, task: str | None) -> list[Item]:
+        prompt = self.sentence.prompt(task)
+        sequences = self.tokens.single([prompt + text for text in texts] if prompt else texts)
+        if not truncate:
+            refuse_cut(sequences, first, f"has more than the {self.max_length} tokens of task {task!r}'s "
+                       "tokenizer", field)
+        return [Item(s.ids) for s in sequences]
+
+    def run(self, items: list[Item]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[B] sequences -> each one's (indices int64, values float32), ascending."""
+        rows = retrieval.static_sparse(self.weight, [item.ids for item in items])
+        return [(indices.numpy(), values.numpy()) for indices, values in rows]
+
+
+def sparse_routes(model: str) -> tuple[Sentence, dict, dict]:
     """A SparseEncoder folder -> (the settings of its SPLADE route, {task: why it is not served} for the tasks whose
-    route is another: an inference-free SPLADE's static lookup, a Router without that route)."""
-    routes, refused = {}, {}
+    route is another SPLADE model or none, {task: ``StaticLookup``} for the tasks routed to a static lookup)."""
+    routes, refused, lookups = {}, {}, {}
     for task in RETRIEVAL_TASKS:
         try:
             routes[task] = Sentence.read(model, task)
@@ -106,11 +142,12 @@ def sparse_routes(model: str) -> tuple[Sentence, dict]:
         raise ValueError(f"{model}: no route of this SparseEncoder runs SPLADE (fastbert serves SPLADE; its static "
                          "lookups run in fastbert.corpus.Embedder)")
     for task, sentence in routes.items():
-        if sentence.head != splade[0].head:
-            what = "a static lookup (inference-free SPLADE)" if sentence.head.static else "another SPLADE model"
-            refused[task] = (f"task {task!r}: this model's route for it is {what}, which this server does not serve "
-                             "(fastbert.corpus.Embedder does)")
-    return splade[0], refused
+        if sentence.head.static is not None:
+            lookups[task] = StaticLookup(sentence)
+        elif sentence.head != splade[0].head:
+            refused[task] = (f"task {task!r}: this model's route for it is another SPLADE model, which this server "
+                             "does not serve (fastbert.corpus.Embedder does)")
+    return splade[0], refused, lookups
 
 
 class MultiVectors(_Retrieval):

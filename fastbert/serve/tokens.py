@@ -57,13 +57,15 @@ class Query:
 
 class Tokens:
     """A fast tokenizer (transformers' ``PreTrainedTokenizerFast``) at ``max_length``; ``lowercase``: texts are
-    lowercased first (a sentence-transformers folder's ``do_lower_case``). Safe to call from several threads."""
+    lowercased first (a sentence-transformers folder's ``do_lower_case``); ``special_tokens``: whether single texts
+    get them (False: as ``add_special_tokens=False``, a static lookup's tokens). Safe to call from several
+    threads."""
 
-    def __init__(self, tokenizer, max_length: int, lowercase: bool = False):
+    def __init__(self, tokenizer, max_length: int, lowercase: bool = False, special_tokens: bool = True):
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer (the server needs the tokenizers "
                              "library's, which transformers loads for every family fastbert serves)")
-        self.max_length, self.lowercase = max_length, lowercase
+        self.max_length, self.lowercase, self.special_tokens = max_length, lowercase, special_tokens
         self.side = side = tokenizer.truncation_side
         # Own copies of the Rust tokenizer: transformers sets truncation on its own before every call, which other
         # threads would see. One encodes texts (at most max_length + 2 tokens kept), one adds the special tokens and
@@ -75,7 +77,7 @@ class Tokens:
         self.finisher.enable_truncation(max_length, strategy="longest_first", direction=side)
         self.counter = copy.deepcopy(self.encoder)  # (whole lengths, a window at a time)
         self.counter.no_truncation()
-        self.single_budget = max_length - self.finisher.num_special_tokens_to_add(False)  # tokens of a text
+        self.single_budget = max_length - special_tokens * self.finisher.num_special_tokens_to_add(False)  # a text's
         self.pair_budget = max_length - self.finisher.num_special_tokens_to_add(True)  # of a query and a document
         self.first_cut = (max_length + 2) * CHARS_PER_TOKEN
         if side != "right":
@@ -88,7 +90,7 @@ class Tokens:
         sequences = []
         for text in texts:
             encoding = self._prefix(text, self.single_budget + 1)
-            final = self.finisher.post_process(encoding, None, add_special_tokens=True)
+            final = self.finisher.post_process(encoding, None, add_special_tokens=self.special_tokens)
             sequences.append(Tokenized(final.ids, final.type_ids, len(encoding.ids) > self.single_budget))
         return sequences
 
