@@ -72,8 +72,9 @@ def test_the_server_says_what_auto_chose(minilm):
 
 
 def test_the_drop_in_classes_follow_torchs_reduced_precision_switch(small_bert_config):
-    """torch.backends.mkldnn.matmul.fp32_precision = "bf16" lets oneDNN run float32 matmuls in bf16 (float32 out):
-    fastbert's GEMMs follow it as transformers' do, and are float32-exact without it."""
+    """torch.backends.mkldnn.matmul.fp32_precision = "bf16" lets oneDNN run float32 matmuls in bf16 (float32 out),
+    where its kernels for this CPU take the hint: fastbert's GEMMs follow it as transformers' do, and are
+    float32-exact without it."""
     torch.manual_seed(0)
     config = small_bert_config(hidden_size=256, num_attention_heads=4, intermediate_size=512)
     hf = transformers.BertModel(config).eval()
@@ -94,5 +95,7 @@ def test_the_drop_in_classes_follow_torchs_reduced_precision_switch(small_bert_c
         finally:
             torch.backends.mkldnn.matmul.fp32_precision = previous
     assert exact_fast <= 2 * exact_hf + 1e-5 and exact_fast < 1e-4
-    assert reduced_hf > 10 * exact_hf  # (torch honours the switch here)
-    assert reduced_fast > 10 * exact_fast and reduced_fast <= 2 * reduced_hf
+    if reduced_hf > 10 * exact_hf:  # torch's GEMMs honour the switch on this CPU (seen on AMX Xeons): so do fastbert's
+        assert reduced_fast > 10 * exact_fast and reduced_fast <= 2 * reduced_hf
+    else:  # oneDNN keeps these float32 GEMMs exact here (seen on an AVX512-BF16 AMD EPYC without AMX): fastbert's too
+        assert reduced_fast <= 2 * reduced_hf + 1e-5 and reduced_fast < 1e-4
