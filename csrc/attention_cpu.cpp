@@ -16,11 +16,12 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define FASTBERT_X86_KERNELS 1
-#include <immintrin.h>  // (the gathers of DeBERTa's position terms)
+#include <immintrin.h>  // (the gathers: k^T, bf16 pairs, DeBERTa's position terms)
 // (vectors wider than the baseline's registers cross no function boundary: every helper is inlined)
 #pragma GCC diagnostic ignored "-Wpsabi"
 

@@ -21,12 +21,18 @@
 //   Without bias, window or holes the softmax takes the max of the raw scores and exponentiates in one more pass.
 // Each query's whole row of scores is kept (ROWS rows of Lp floats: L1 up to about a thousand keys, L2 beyond), so
 // the softmax is exact in one pass, with no running rescale.
+// bfloat16 (T = bf16): q, k and v become float32 as they are copied into the tiles (kt by 32-bit gathers of element
+// pairs, vp and each tile's queries row by row), so everything after runs the float32 code; each output is rounded
+// to bfloat16 (to nearest even, as torch rounds) when stored. No other rounding: the scores, softmax and sums are
+// float32, where torch's bf16 SDPA rounds the probabilities to bf16 before p v.
 // Vectors are GCC/Clang vector extensions; no -ffast-math: the sums' order is fixed.
 
 namespace KERNEL_NAMESPACE {
 
 typedef float vec __attribute__((vector_size(LANES * 4)));
 typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
+typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
+typedef uint16_t bf16;  // a bfloat16's bits: the upper half of a float32's
 
 constexpr int ROWS = TILE_ROWS;  // queries per register tile
 
@@ -51,6 +57,56 @@ KERNEL_TARGET static inline vec gather(const float* base, ivec index) {
 #else
   return reinterpret_cast<vec>(_mm256_i32gather_ps(base, reinterpret_cast<__m256i>(index), 4));
 #endif
+}
+
+// LANES 32-bit words at base + 2 index[k] bytes: for bf16 rows, elements (d, d + 1) of LANES rows at once
+KERNEL_TARGET static inline uvec gather_pairs(const bf16* base, ivec index) {
+#if LANES == 16
+  return reinterpret_cast<uvec>(_mm512_i32gather_epi32(reinterpret_cast<__m512i>(index), base, 2));
+#else
+  return reinterpret_cast<uvec>(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base),
+                                                       reinterpret_cast<__m256i>(index), 2));
+#endif
+}
+
+KERNEL_TARGET static inline vec bits_to_vec(uvec bits) { vec v; std::memcpy(&v, &bits, sizeof v); return v; }
+
+KERNEL_TARGET static inline float to_float(float x) { return x; }
+KERNEL_TARGET static inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// float32 -> bfloat16, to nearest even; a NaN stays a (quiet) NaN
+KERNEL_TARGET static inline bf16 to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((bits >> 16) | 0x40u);
+  return static_cast<bf16>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// n elements of a row of T -> float32
+KERNEL_TARGET static inline void row_to_float(const float* src, int64_t n, float* dst) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+KERNEL_TARGET static inline void row_to_float(const bf16* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i++) dst[i] = to_float(src[i]);
+}
+
+// the first `count` lanes of v -> dst (rounded to bfloat16 for bf16)
+KERNEL_TARGET static inline void store_out(float* dst, vec v, int64_t count) {
+  if (count == LANES) {
+    store(dst, v);
+  } else {
+    float lanes[LANES];
+    store(lanes, v);
+    std::memcpy(dst, lanes, count * sizeof(float));
+  }
+}
+KERNEL_TARGET static inline void store_out(bf16* dst, vec v, int64_t count) {
+  for (int64_t i = 0; i < count; i++) dst[i] = to_bf16(v[i]);
 }
 
 KERNEL_TARGET static inline float reduce_max(vec v) {
@@ -87,7 +143,7 @@ KERNEL_TARGET static inline vec exp_nonpositive(vec x) {
 }
 
 struct Scratch {
-  std::vector<float> kt, vp, line, scores, rkt, rqt, c2p, p2c;
+  std::vector<float> kt, vp, line, scores, rkt, rqt, c2p, p2c, queries;
   std::vector<int32_t> rline;
 };
 
@@ -219,14 +275,16 @@ KERNEL_TARGET static inline float softmax_row(float* row, const RowTerms& t, int
   return 1.f / reduce_sum(sum);
 }
 
-// One task: head h of the sequence at rows [row0, row0 + L), queries [i_begin, i_end) of it.
+// One task: head h of the sequence at rows [row0, row0 + L), queries [i_begin, i_end) of it; qkv and out of T.
+template <typename T>
 KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int64_t row0, int64_t L, int64_t h,
                                        int64_t i_begin, int64_t i_end, Scratch& scratch) {
   const int64_t H = a.heads, D = a.head_dim, qkv_stride = 3 * H * D, out_stride = H * D;
   const int64_t Lp = (L + LANES - 1) / LANES * LANES, Dp = (D + LANES - 1) / LANES * LANES;
-  const float* q = a.qkv + row0 * qkv_stride + h * D;
-  const float* k = q + H * D;
-  const float* v = q + 2 * H * D;
+  const T* q = static_cast<const T*>(a.qkv) + row0 * qkv_stride + h * D;
+  const T* k = q + H * D;
+  const T* v = q + 2 * H * D;
+  T* const out = static_cast<T*>(a.out);
 
   scratch.kt.assign(D * Lp, 0.f);
   scratch.vp.assign(L * Dp, 0.f);
@@ -246,12 +304,24 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
           __builtin_prefetch(k + j * qkv_stride + d);
           __builtin_prefetch(v + j * qkv_stride + d);
         }
-      for (int64_t d = 0; d < D; d++) store(kt + d * Lp + gathered, gather(k + gathered * qkv_stride + d, offsets));
+      const T* keys = k + gathered * qkv_stride;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t d = 0; d < D; d++) store(kt + d * Lp + gathered, gather(keys + d, offsets));
+      } else {  // (elements d and d + 1 in one word: the low half is d's bits, the high half d + 1's)
+        int64_t d = 0;
+        for (; d + 1 < D; d += 2) {
+          const uvec pair = gather_pairs(keys + d, offsets);
+          store(kt + d * Lp + gathered, bits_to_vec(pair << 16));
+          store(kt + (d + 1) * Lp + gathered, bits_to_vec(pair & 0xffff0000u));
+        }
+        for (; d < D; d++)
+          for (int i = 0; i < LANES; i++) kt[d * Lp + gathered + i] = to_float(keys[i * qkv_stride + d]);
+      }
     }
   }
   for (int64_t j = gathered; j < L; j++)
-    for (int64_t d = 0; d < D; d++) kt[d * Lp + j] = k[j * qkv_stride + d];
-  for (int64_t j = 0; j < L; j++) std::memcpy(vp + j * Dp, v + j * qkv_stride, D * sizeof(float));
+    for (int64_t d = 0; d < D; d++) kt[d * Lp + j] = to_float(k[j * qkv_stride + d]);
+  for (int64_t j = 0; j < L; j++) row_to_float(v + j * qkv_stride, D, vp + j * Dp);
   const float* line = nullptr;
   const int32_t* columns = a.columns ? a.columns + row0 : nullptr;
   if (a.relative_bias && !columns) {
@@ -265,7 +335,8 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
     line = scratch.line.data();
   }
   // DeBERTa: the rows this sequence's distances reach, [first, first + N), and every key's dot products with r_q's
-  const bool terms = a.pos_key || a.pos_query;
+  // (float32 only: the binding refuses position terms with bf16)
+  const bool terms = std::is_same_v<T, float> && (a.pos_key || a.pos_query);
   int64_t first = 0, Np = 0;
   const int32_t* rline = nullptr;
   float* c2p = nullptr;
@@ -293,10 +364,12 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
       transposed(a.pos_query, scratch.rqt);
       scratch.p2c.resize((L + ROWS) * Np);  // (a last tile of fewer than ROWS keys writes copies past L)
       p2c = scratch.p2c.data();
-      for (int64_t j0 = 0; j0 < L; j0 += ROWS) {
-        const float* key[ROWS];
-        for (int r = 0; r < ROWS; r++) key[r] = k + std::min<int64_t>(j0 + r, L - 1) * qkv_stride;
-        score_rows(key, scratch.rqt.data(), D, Np, p2c + j0 * Np);
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t j0 = 0; j0 < L; j0 += ROWS) {
+          const float* key[ROWS];
+          for (int r = 0; r < ROWS; r++) key[r] = k + std::min<int64_t>(j0 + r, L - 1) * qkv_stride;
+          score_rows(key, scratch.rqt.data(), D, Np, p2c + j0 * Np);
+        }
       }
     }
     if (!columns) {
@@ -309,10 +382,19 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
   }
 
   float* s = scratch.scores.data();
+  if constexpr (!std::is_same_v<T, float>) scratch.queries.resize(ROWS * D);
   for (int64_t i0 = i_begin; i0 < i_end; i0 += ROWS) {
     const int rows = static_cast<int>(std::min<int64_t>(ROWS, i_end - i0));
     const float* query[ROWS];
-    for (int r = 0; r < ROWS; r++) query[r] = q + (i0 + std::min(r, rows - 1)) * qkv_stride;  // spare rows: a copy
+    for (int r = 0; r < ROWS; r++) {
+      const T* row = q + (i0 + std::min(r, rows - 1)) * qkv_stride;  // spare rows: a copy
+      if constexpr (std::is_same_v<T, float>) {
+        query[r] = row;
+      } else {
+        row_to_float(row, D, scratch.queries.data() + r * D);
+        query[r] = scratch.queries.data() + r * D;
+      }
+    }
     for (int64_t i = i0 + ROWS; i < std::min<int64_t>(i0 + 2 * ROWS, i_end); i++)  // (the next tile's queries)
       for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(q + i * qkv_stride + d);
 
@@ -344,17 +426,10 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
         default: value_tile<1>(s, vp, L, Lp, Dp, c0, acc); break;
       }
       for (int r = 0; r < rows; r++) {
-        float* o = a.out + (row0 + i0 + r) * out_stride + h * D;
+        T* o = out + (row0 + i0 + r) * out_stride + h * D;
         for (int64_t c = 0; c < vecs; c++) {
-          const vec result = acc[r][c] * splat(inverse_sum[r]);
-          const int64_t first = c0 + c * LANES, count = std::min<int64_t>(LANES, D - first);
-          if (count == LANES) {
-            store(o + first, result);
-          } else {
-            float lanes[LANES];
-            store(lanes, result);
-            std::memcpy(o + first, lanes, count * sizeof(float));
-          }
+          const int64_t first = c0 + c * LANES;
+          store_out(o + first, acc[r][c] * splat(inverse_sum[r]), std::min<int64_t>(LANES, D - first));
         }
       }
     }
@@ -366,7 +441,11 @@ KERNEL_TARGET void run(const fastbert::AttentionCpuArgs& a, int num_threads) {
   fastbert::for_each_attention_task<Scratch>(
       fastbert::attention_tasks(a.seqlens, a.batch, a.heads, threads), threads,
       [&](const fastbert::AttentionTask& t, Scratch& scratch) {
-        attend_block(a, t.row0, t.length, t.head, t.i_begin, t.i_end, scratch);
+        if (a.bf16) {
+          attend_block<bf16>(a, t.row0, t.length, t.head, t.i_begin, t.i_end, scratch);
+        } else {
+          attend_block<float>(a, t.row0, t.length, t.head, t.i_begin, t.i_end, scratch);
+        }
       });
 }
 

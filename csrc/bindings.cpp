@@ -95,8 +95,9 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
                    int64_t head_dim, std::uintptr_t relative_bias, int64_t radius, int64_t window,
                    std::uintptr_t columns, double scale, int num_threads, const std::string& isa,
                    std::uintptr_t pos_key, std::uintptr_t pos_query, int64_t rel_rows, std::uintptr_t rel_index,
-                   int64_t rel_center) {
+                   int64_t rel_center, bool bf16) {
   if (heads < 1 || head_dim < 1) throw std::invalid_argument("heads and head_dim must be >= 1");
+  if (bf16 && (pos_key || pos_query)) throw std::invalid_argument("DeBERTa's position terms run in float32 only");
   if (radius < 0) throw std::invalid_argument("radius must be >= 0");
   if ((pos_key || pos_query) && (!rel_index || rel_rows < 1 || rel_center < 0)) {
     throw std::invalid_argument("pos_key and pos_query need rel_index, rel_rows >= 1 and rel_center >= 0");
@@ -108,7 +109,7 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
   }
   if (tokens == 0) return;
   if (!out || !qkv) throw std::invalid_argument("null data pointer");
-  const fastbert::AttentionCpuArgs args{reinterpret_cast<float*>(out), reinterpret_cast<const float*>(qkv),
+  const fastbert::AttentionCpuArgs args{reinterpret_cast<void*>(out), reinterpret_cast<const void*>(qkv), bf16,
                                         seqlens.data(), static_cast<int64_t>(seqlens.size()), heads, head_dim,
                                         reinterpret_cast<const float*>(relative_bias), radius, window,
                                         reinterpret_cast<const int32_t*>(columns), static_cast<float>(scale),
@@ -270,7 +271,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 
   m.def("attention_cpu", &attention_cpu,
-        "Padding-free float32 attention on the CPU (attention_cpu.h): out [T, H, D] from qkv [T, 3, H, D], each "
+        "Padding-free attention on the CPU (attention_cpu.h): out [T, H, D] from qkv [T, 3, H, D] (float32, or "
+        "bfloat16 where bf16 is true: float32 inside), each "
         "of the len(seqlens) sequences attending to its own rows, plus relative_bias [H, 2 radius + 1] by distance "
         "when not 0, keys within `window` only when >= 0, distances between int32 `columns` [T] when not 0. Raises "
         "RuntimeError on a CPU without AVX2 and FMA; isa: one of attention_cpu_isas(), '' for the fastest. "
@@ -279,7 +281,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("qkv"), py::arg("seqlens"), py::arg("heads"), py::arg("head_dim"),
         py::arg("relative_bias"), py::arg("radius"), py::arg("window"), py::arg("columns"), py::arg("scale"),
         py::arg("num_threads"), py::arg("isa") = "", py::arg("pos_key") = 0, py::arg("pos_query") = 0, py::arg("rel_rows") = 0,
-        py::arg("rel_index") = 0, py::arg("rel_center") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("rel_index") = 0, py::arg("rel_center") = 0, py::arg("bf16") = false,
+        py::call_guard<py::gil_scoped_release>());
 
   m.def("attention_int8_cpu", &attention_int8_cpu,
         "attention_cpu without position terms, its two matmuls in int8 (attention_int8_cpu.h): k and v with one "

@@ -71,7 +71,8 @@ def native_bf16() -> bool:
 
 # --- measurements, per machine -------------------------------------------------------------------------------------
 
-_figures: dict = {}  # torch.dtype -> the fp32/bf16 GEMM figures; ("int8", bits) -> the int8 ones; "attention"
+_figures: dict = {}  # torch.dtype -> the fp32/bf16 GEMM figures; ("int8", bits) -> the int8 ones;
+# ("attention", torch.dtype) -> the attention ones
 _lock = threading.Lock()  # concurrent first forwards: one measurement, not two timing each other
 
 
@@ -116,9 +117,11 @@ def gemm_figures_so_far() -> dict[torch.dtype, dict]:
         return {what: figures for what, figures in _figures.items() if isinstance(what, torch.dtype)}
 
 
-def attention_figures_so_far() -> dict | None:
+def attention_figures_so_far() -> dict[str, dict]:
+    """{dtype name: the attention figures measured (or read) so far in that dtype}."""
     with _lock:
-        return _figures.get("attention")
+        return {str(what[1]).removeprefix("torch."): figures for what, figures in _figures.items()
+                if isinstance(what, tuple) and what[0] == "attention"}
 
 
 def int8_figures(bits: int) -> dict:
@@ -131,7 +134,8 @@ def int8_figures(bits: int) -> dict:
 
 def int8_figures_so_far() -> dict:
     with _lock:
-        return {f"w{what[1]}": figures for what, figures in _figures.items() if isinstance(what, tuple)}
+        return {f"w{what[1]}": figures for what, figures in _figures.items()
+                if isinstance(what, tuple) and what[0] == "int8"}
 
 
 def int8_slower_reason(bits: int, margin: float) -> str | None:
@@ -162,23 +166,23 @@ def onednn_slower_reason(dtype: torch.dtype) -> str | None:
     return None
 
 
-def attention_figures(kernel) -> dict:
-    """GFLOP/s of torch's SDPA and of the C++ CPU attention ``kernel`` (``ops.attention_cpu.attention_cpu``, float32) at
-    ``ATTENTION_SEQUENCES``, measured once per machine (~0.3 s), then read back."""
-    return _measured("attention", ATTENTION_MEASUREMENT, ("torch", "cpu-ext"), tuple(ATTENTION_SEQUENCES),
-                     lambda: _measure_attention(kernel))
+def attention_figures(kernel, dtype: torch.dtype = torch.float32) -> dict:
+    """GFLOP/s of torch's SDPA and of the C++ CPU attention ``kernel`` (``ops.attention_cpu.attention_cpu``) in
+    ``dtype`` at ``ATTENTION_SEQUENCES``, measured once per machine (~0.3 s), then read back."""
+    return _measured(("attention", dtype), attention_measurement(dtype), ("torch", "cpu-ext"),
+                     tuple(ATTENTION_SEQUENCES), lambda: _measure_attention(kernel, dtype))
 
 
-def attention_slower_reason(kernel) -> str | None:
-    """Why the C++ CPU attention ``kernel`` does not replace torch's SDPA here (slower at some measured size, or not
-    measured yet because the machine was busy), or None."""
-    figures = attention_figures(kernel)
+def attention_slower_reason(kernel, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why the C++ CPU attention ``kernel`` does not replace torch's SDPA here in ``dtype`` (slower at some measured
+    size, or not measured yet because the machine was busy), or None."""
+    figures = attention_figures(kernel, dtype)
     if "busy" in figures:
         return f"not measured yet: the machine was busy when fastbert tried ({figures['busy']})"
     for tokens, torch_gflops in figures["torch"].items():
         if figures["cpu-ext"][tokens] < torch_gflops:
             return (f"slower than torch's SDPA on this CPU at {tokens} tokens ({figures['cpu-ext'][tokens]} vs "
-                    f"{torch_gflops} GFLOP/s)")
+                    f"{torch_gflops} GFLOP/s, {str(dtype).removeprefix('torch.')})")
     return None
 
 
@@ -271,17 +275,24 @@ ATTENTION_SEQUENCES = {128: [128] * 8, 512: [512]}
 # Part of the stored measurement's key: a machine that measured an older C++ attention measures this one again
 # rather than keep an older kernel's verdict.
 ATTENTION_KERNEL_REVISION = 2
-ATTENTION_MEASUREMENT = f"{torch.float32} attention, kernel {ATTENTION_KERNEL_REVISION}"
 
 
-def _measure_attention(attention_cpu) -> dict[str, dict[int, float]]:
-    """GFLOP/s of torch's per-sequence SDPA and of the C++ CPU attention on ``ATTENTION_SEQUENCES`` (median of 11
-    after 3 warm-ups, interleaved; ~0.3 s)."""
+def attention_measurement(dtype: torch.dtype) -> str:
+    """The name of the attention measurement in ``dtype`` (part of its key in the store)."""
+    return f"{dtype} attention, kernel {ATTENTION_KERNEL_REVISION}"
+
+
+ATTENTION_MEASUREMENT = attention_measurement(torch.float32)
+
+
+def _measure_attention(attention_cpu, dtype: torch.dtype) -> dict[str, dict[int, float]]:
+    """GFLOP/s of torch's per-sequence SDPA and of the C++ CPU attention on ``ATTENTION_SEQUENCES`` in ``dtype``
+    (median of 11 after 3 warm-ups, interleaved; ~0.3 s)."""
     generator = torch.Generator().manual_seed(0)
     figures = {"torch": {}, "cpu-ext": {}}
     with torch.inference_mode():
         for tokens, seqlens in ATTENTION_SEQUENCES.items():
-            qkv = torch.randn(sum(seqlens), 3, 12, 64, generator=generator)
+            qkv = torch.randn(sum(seqlens), 3, 12, 64, generator=generator).to(dtype)
 
             def sdpa():
                 for chunk in qkv.split(seqlens):

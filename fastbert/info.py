@@ -56,8 +56,9 @@ def info() -> dict:
         "cpu": {**cpu.identity(), "native_bf16": cpu.native_bf16()},
         # The threads a CPU forward runs: torch's count within the affinity mask, the cgroup quota and the load.
         "threads": threads.report(),
-        # The C++ CPU attention (float32 inference): the instruction sets it runs with here, or why it does not, and
-        # its GFLOP/s against torch's SDPA as measured on this CPU (once per machine, at the first CPU forward).
+        # The C++ CPU attention (float32 and bfloat16 inference): the instruction sets it runs with here, or why it
+        # does not, and its GFLOP/s against torch's SDPA per dtype as measured on this CPU (once per machine and dtype,
+        # at the first CPU forward in it).
         "cpu_attention": {"isas": attention_cpu.attention_cpu_isas(),
                           "unavailable": attention_cpu.attention_cpu_unavailable_reasons(),
                           "measured_gflops": cpu.attention_figures_so_far()},

@@ -9,8 +9,9 @@ Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_
            judged with it, on sequences no longer than it judged (``int8_attention``); opt-in, and only without a
            window or position terms. It writes the O projection's u8 too, once that GEMM taught its static scale
            (``handoff``)
-  cpu-ext  fastbert._C's C++ kernel (``attention_cpu.py``): float32 inference on the CPU over packed tokens or a batch
-           without padding, where it measured faster than SDPA on this CPU (``cpu.attention_figures``)
+  cpu-ext  fastbert._C's C++ kernel (``attention_cpu.py``): float32 or bfloat16 (float32 inside) inference on the CPU
+           over packed tokens or a batch without padding, where it measured faster than SDPA on this CPU in that
+           dtype (``cpu.attention_figures``); DeBERTa's terms in float32
   triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
            over packed tokens (``kernels/attention_varlen.py``); head dims up to ``MAX_HEAD_DIM``; windows and
            MPNet's relative bias inside the kernel
@@ -236,7 +237,7 @@ def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
     if reasons:
         return reasons
     try:
-        slower = cpu.attention_slower_reason(attention_cpu)
+        slower = cpu.attention_slower_reason(attention_cpu, dtype)
     except RuntimeError as error:  # the kernel refusing this CPU: SDPA, never a failed forward
         return [f"the C++ CPU attention failed here: {error}"]
     return [MeasuredChoice(slower)] if slower else []
@@ -288,9 +289,9 @@ def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangl
 BACKENDS = dispatch.register("attention", [
     Backend("cpu-int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), dtypes=(torch.float32,), opt_in=True,
             declines=_padded_rows, steps=True),
-    # (float32 only: bfloat16 takes torch's flash SDPA, which keeps its scores in float32 too)
+    # (bfloat16 too: float32 inside, as torch's flash SDPA keeps its scores; each dtype measured against SDPA)
     Backend("cpu-ext", run=_cpu_run, unavailable=_cpu_unavailable, why_not=lambda call: list(call.reasons),
-            devices=("cpu",), dtypes=(torch.float32,), declines=_padded_rows, steps=True),
+            devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), declines=_padded_rows, steps=True),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     # (steps where ``_sdpa_rows`` runs it; elsewhere its torch ops fail a replay's capture)
     Backend("torch", run=_torch_run, steps=True),

@@ -1,8 +1,11 @@
-"""fastbert._C's float32 CPU attention (csrc/attention_cpu.h): padding-free, forward only, with MPNet's relative
-bias, ModernBERT's windows and DeBERTa's disentangled terms gathered per score; the ``cpu-ext`` backend of
+"""fastbert._C's CPU attention (csrc/attention_cpu.h): padding-free, forward only, with MPNet's relative bias,
+ModernBERT's windows and DeBERTa's disentangled terms gathered per score; the ``cpu-ext`` backend of
 ``attention.py``. Reference: ``kernels/attention_varlen.py``'s ``attention_varlen_ref``.
 
-    qkv [T, 3, H, D] float32 -> [T, H, D], sequence b the next ``seqlens[b]`` rows
+    qkv [T, 3, H, D] float32 or bfloat16 -> [T, H, D] of its dtype, sequence b the next ``seqlens[b]`` rows
+
+bfloat16 runs float32 inside (scores, softmax, sums; q, k, v converted as they are loaded, the output rounded once),
+and its relative bias in float32; DeBERTa's terms run in float32 only.
 
 Launcher, registered op (``fastbert::attention_cpu``, what torch.compile sees) and why it cannot run here; whether it
 runs is measured once per machine against SDPA (``cpu.attention_figures``).
@@ -17,6 +20,9 @@ from .. import _extension, run
 from ..kernels._common import launch_or_op
 from . import disentangled as position_terms
 from .disentangled import Disentangled
+
+
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def attention_cpu_unavailable_reasons() -> list[str]:
@@ -37,16 +43,19 @@ def attention_cpu_isas() -> list[str]:
 
 def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa="", pos_key=None, pos_query=None,
                               index=None):
-    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv must be a float32 CPU tensor [tokens, 3, heads, head_dim], got {tuple(qkv.shape)} "
-                         f"{qkv.dtype} on {qkv.device}")
+    if qkv.device.type != "cpu" or qkv.dtype not in DTYPES or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be a float32 or bfloat16 CPU tensor [tokens, 3, heads, head_dim], got "
+                         f"{tuple(qkv.shape)} {qkv.dtype} on {qkv.device}")
+    if qkv.dtype != torch.float32 and (pos_key is not None or pos_query is not None):
+        raise ValueError(f"DeBERTa's position terms run in float32 only, got qkv in {qkv.dtype}")
     if any(length < 0 for length in seqlens) or sum(seqlens) != qkv.shape[0]:
         raise ValueError(f"seqlens must be >= 0 and add up to qkv's {qkv.shape[0]} tokens, got {list(seqlens)}")
-    if relative_bias is not None and (relative_bias.dtype != torch.float32 or relative_bias.device.type != "cpu"
-                                      or relative_bias.dim() != 2 or relative_bias.shape[0] != qkv.shape[2]
-                                      or relative_bias.shape[1] % 2 == 0):
-        raise ValueError(f"relative_bias must be a float32 CPU tensor [heads, 2 * radius + 1] = [{qkv.shape[2]}, odd], "
-                         f"got {tuple(relative_bias.shape)} {relative_bias.dtype} on {relative_bias.device}")
+    if relative_bias is not None and (relative_bias.dtype not in (torch.float32, qkv.dtype)
+                                      or relative_bias.device.type != "cpu" or relative_bias.dim() != 2
+                                      or relative_bias.shape[0] != qkv.shape[2] or relative_bias.shape[1] % 2 == 0):
+        raise ValueError(f"relative_bias must be a float32 (or qkv's dtype) CPU tensor [heads, 2 * radius + 1] = "
+                         f"[{qkv.shape[2]}, odd], got {tuple(relative_bias.shape)} {relative_bias.dtype} on "
+                         f"{relative_bias.device}")
     if isa and isa not in attention_cpu_isas():
         raise ValueError(f"isa must be one of {attention_cpu_isas()} on this CPU, or '' for the fastest, got {isa!r}")
     if window is not None and window < 0:
@@ -64,6 +73,7 @@ def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", 
                for t in (qkv, relative_bias, columns, pos_key, pos_query, index)]
     qkv, relative_bias, columns, pos_key, pos_query, index = tensors
     _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index)
+    relative_bias = None if relative_bias is None else relative_bias.float()  # (the kernel adds it in float32)
     reasons = attention_cpu_unavailable_reasons()
     if reasons:
         raise RuntimeError(reasons[0])
@@ -81,7 +91,7 @@ def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", 
                                 0 if pos_key is None else pos_key.data_ptr(),
                                 0 if pos_query is None else pos_query.data_ptr(),
                                 0 if rows is None else rows.shape[0], 0 if index is None else index.data_ptr(),
-                                0 if index is None else (index.shape[0] - 1) // 2)
+                                0 if index is None else (index.shape[0] - 1) // 2, qkv.dtype == torch.bfloat16)
     return out
 
 
@@ -106,9 +116,10 @@ def _(qkv, seqlens, relative_bias, window, columns, isa, pos_key=None, pos_query
 def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None, window: int | None = None,
                   columns: torch.Tensor | None = None, isa: str = "",
                   disentangled: Disentangled | None = None, spare_rows: int = 0) -> torch.Tensor:
-    """Padding-free float32 attention on the CPU, forward only (csrc/attention_cpu.h; reference:
-    ``kernels/attention_varlen.py``'s ``attention_varlen_ref``): qkv [T, 3, H, D] -> [T, H, D], sequence b the next
-    ``seqlens[b]`` rows. relative_bias: None or float32 [H, 2R + 1] by distance j - i clamped to [-R, R]; window:
+    """Padding-free attention on the CPU, forward only (csrc/attention_cpu.h; reference:
+    ``kernels/attention_varlen.py``'s ``attention_varlen_ref``): qkv [T, 3, H, D] float32 or bfloat16 (float32 inside)
+    -> [T, H, D] of its dtype, sequence b the next ``seqlens[b]`` rows. relative_bias: None or [H, 2R + 1] (float32;
+    of qkv's dtype for bfloat16) by distance j - i clamped to [-R, R]; window:
     None or the largest distance a query sees; columns: None (distances between offsets) or int32 [T], the tokens'
     columns (a mask with holes); isa: one of ``attention_cpu_isas()``, "" for the fastest (tests run each);
     disentangled: DeBERTa's projected relative rows, their index by distance and the scale (``ops/disentangled.py``):
