@@ -1,14 +1,21 @@
 """fastbert.ops.splade_pool: the op's backends against the reference (kernels/splade_pool.py's splade_pool_ref) on odd
-shapes, the torch backend's bounded scratch, a decoder that is not plain (called, not read), dispatch (torch on the
-CPU, triton under TRITON_INTERPRET=1 with FASTBERT_BACKEND=triton), forward-only, and info()."""
+shapes (the torch and onednn backends each, float32; onednn in bfloat16 too), the torch backend's bounded scratch, a
+decoder that is not plain (called, not read), dispatch (onednn on the CPU where oneDNN runs GEMMs here, else torch;
+triton under TRITON_INTERPRET=1 with FASTBERT_BACKEND=triton), forward-only, and info()."""
 
 import pytest
 import torch
 from torch import nn
 
 import fastbert
+from fastbert import cpu_gemm
 from fastbert.kernels.splade_pool import ACTIVATIONS, POOLINGS, splade_pool_ref
-from fastbert.ops import splade_pool as op
+from fastbert.ops import gemm, splade_pool as op
+
+CPU = torch.device("cpu")
+ONEDNN = pytest.mark.skipif(bool(cpu_gemm.unavailable_reasons(torch.float32)),
+                            reason="; ".join(cpu_gemm.unavailable_reasons(torch.float32)))
+RUNS = {"torch": op._torch_run, "onednn": op._onednn_run}
 
 
 def make(lengths, hidden, vocab, bias=True, seed=0):
@@ -28,6 +35,7 @@ def reference(x, cu_seqlens, decoder, activation, pooling):
                            cu_seqlens, activation, pooling)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("onednn", marks=ONEDNN)])
 @pytest.mark.parametrize("pooling", POOLINGS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
@@ -36,18 +44,33 @@ def reference(x, cu_seqlens, decoder, activation, pooling):
     ([1], 26, 65),
     ([300, 2, 700, 50], 48, 3001),  # past TOKEN_BLOCK tokens; vocab blocks of 1024 with a partial last one
 ], ids=["mixed", "one-token", "blocks"])
-def test_torch_backend_matches_reference(lengths, hidden, vocab, bias, activation, pooling):
+def test_cpu_backends_match_reference(lengths, hidden, vocab, bias, activation, pooling, backend):
     x, cu_seqlens, decoder = make(lengths, hidden, vocab, bias)
     with torch.inference_mode():
-        out = op.splade_pool(x, cu_seqlens, decoder, activation, pooling)
+        out = RUNS[backend](op.Call(decoder, activation, pooling, True, CPU, x.dtype), x, cu_seqlens)
         expected = reference(x, cu_seqlens, decoder, activation, pooling)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     if 0 in lengths:
         assert (out[lengths.index(0)] == 0).all()
 
 
-def test_torch_backend_scratch_is_bounded(monkeypatch):
+@pytest.mark.skipif(bool(cpu_gemm.unavailable_reasons(torch.bfloat16)),
+                    reason="; ".join(cpu_gemm.unavailable_reasons(torch.bfloat16)))
+def test_onednn_backend_in_bfloat16():
+    """bfloat16 in and out: within 2x the error of the reference run in bfloat16 (both against float64)."""
+    x, cu_seqlens, decoder = make([5, 1, 300, 17], 312, 3001)
+    exact = reference(x.double(), cu_seqlens, decoder.double(), "relu", "max")
+    x, decoder = x.bfloat16(), decoder.bfloat16()
+    with torch.inference_mode():
+        out = op._onednn_run(op.Call(decoder, "relu", "max", True, CPU, x.dtype), x, cu_seqlens)
+        in_bf16 = reference(x, cu_seqlens, decoder, "relu", "max")
+    assert out.dtype == torch.bfloat16
+    assert float((out.double() - exact).abs().max()) <= 2 * float((in_bf16.double() - exact).abs().max())
+
+
+def test_torch_backend_scratch_is_bounded(monkeypatch, fastbert_env):
     """The GEMM's blocks never hold more than SCRATCH_ELEMENTS values: with a small bound, many blocks, same result."""
+    fastbert_env(FASTBERT_CPU_GEMM="torch")
     monkeypatch.setattr(op, "SCRATCH_ELEMENTS", 4096)
     monkeypatch.setattr(op, "TOKEN_BLOCK", 16)
     x, cu_seqlens, decoder = make([40, 3, 9], 26, 1000)
@@ -89,11 +112,13 @@ def test_a_decoder_that_is_not_plain_is_called(pooling):
 
 
 def test_dispatch(fastbert_env):
-    """torch on the CPU (Triton there only under the interpreter, by design); FASTBERT_BACKEND=triton with
-    TRITON_INTERPRET=1 runs the kernel, with the same result."""
+    """onednn on the CPU where oneDNN runs this dtype's GEMMs here, else torch (Triton there only under the
+    interpreter, by design); FASTBERT_BACKEND=triton with TRITON_INTERPRET=1 runs the kernel, with the same result."""
     x, cu_seqlens, decoder = make([6, 2, 11], 48, 200)
     decoder.requires_grad_(False)
-    assert op._decide(x, decoder, "relu", "max").backend.name == "torch"
+    cpu_choice = "onednn" if gemm.onednn_runs(CPU, torch.float32) else "torch"
+    assert op._decide(x, decoder, "relu", "max").backend.name == cpu_choice
+    assert op._decide(x, Doubled(decoder), "relu", "max").backend.name == "torch"
     with torch.inference_mode():
         on_torch = op.splade_pool(x, cu_seqlens, decoder, "relu", "max")
     fastbert_env(TRITON_INTERPRET="1", FASTBERT_BACKEND="triton")

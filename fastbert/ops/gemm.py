@@ -120,7 +120,8 @@ def _int8_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None)
                                               choice.per_token, choice.static))
 
 
-def _onednn_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
+def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Why plain Linears' GEMMs of this dtype do not run on oneDNN here (settings, build, measurement); [] if they do."""
     requested = dispatch.settings().cpu_gemm
     reasons = cpu_gemm.unavailable_reasons(dtype)
     if requested == "onednn" and reasons:  # forced where it cannot run: said
@@ -197,7 +198,7 @@ def _torch_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None
 
 BACKENDS = dispatch.register("gemm", [
     Backend("int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), opt_in=True, steps=True),
-    Backend("onednn", run=_onednn_run, unavailable=_onednn_unavailable, why_not=_onednn_why_not, devices=("cpu",),
+    Backend("onednn", run=_onednn_run, unavailable=onednn_unavailable, why_not=_onednn_why_not, devices=("cpu",),
             steps=True),
     # (steps in inference on plain Linears; a module it calls, or the ops of training, fail a replay's capture)
     Backend("torch", run=_torch_run, steps=True),
@@ -242,4 +243,4 @@ def packed(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> bool:
 
 def onednn_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN runs plain Linears' GEMMs of this device and dtype here (settings, build, measurement)."""
-    return device.type == "cpu" and dispatch.settings().backend != "torch" and not _onednn_unavailable(device, dtype)
+    return device.type == "cpu" and dispatch.settings().backend != "torch" and not onednn_unavailable(device, dtype)
