@@ -204,3 +204,10 @@ def test_bad_batches_name_the_problem(checkpoint):
         embedder.embed(["a", None])
     with pytest.raises(TypeError, match="batch: expected a dict of columns or a pandas DataFrame"):
         embedder(["a"])
+
+
+def test_the_token_budget_follows_the_device(checkpoint):
+    """4,096 tokens a forward on the CPU (its activations near the caches), 16,384 on a GPU, unless given."""
+    assert Embedder(checkpoint).token_budget == 4096
+    assert Embedder(checkpoint, device="cuda").token_budget == 16384  # (nothing loads until the first batch)
+    assert Embedder(checkpoint, device="cuda", token_budget=300).token_budget == 300
