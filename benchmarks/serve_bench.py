@@ -12,7 +12,8 @@ The workload is seeded: requests of one input of 5 to 60 words at concurrency 1,
 inputs at concurrency 4, each setting for ``--seconds`` after a short warm-up. Reported per server and setting:
 requests/s, input tokens/s (counted with the model's tokenizer, special tokens included), p50/p90/p99 latency in ms
 and errors. ``--start`` launches the servers this repository can start itself, one at a time on a free loopback
-port: ``fastbert`` and ``fastbert-int8`` (``fastbert serve``) and ``handwritten`` (FastAPI-free Starlette +
+port: ``fastbert`` (``fastbert serve`` at its defaults), ``fastbert-fp32``, ``fastbert-bf16``, ``fastbert-int8``
+(with ``--dtype float32``, ``--dtype bfloat16``, ``--int8``) and ``handwritten`` (FastAPI-free Starlette +
 sentence-transformers, one ``encode`` per request: what a user writes by hand). Anchors installed elsewhere
 (Infinity, vLLM's CPU build: see benchmarks/README.md for how each was set up and checked) are given with
 ``--server NAME=URL``. ``--busy N`` runs N busy processes (a Python loop each) beside the timed settings, as a
@@ -113,14 +114,19 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
+FASTBERT_OPTIONS = {"fastbert": [], "fastbert-fp32": ["--dtype", "float32"], "fastbert-bf16": ["--dtype", "bfloat16"],
+                    "fastbert-int8": ["--int8"]}
+
+
 @contextlib.contextmanager
 def started(kind: str):
-    """A server this script can start (``fastbert``, ``fastbert-int8``, ``handwritten``): (its base URL, its pid)
+    """A server this script can start (``fastbert``: its defaults; ``fastbert-fp32``, ``fastbert-bf16``,
+    ``fastbert-int8``: with --dtype float32, --dtype bfloat16, --int8; ``handwritten``): (its base URL, its pid)
     while it runs."""
     port, path = free_port(), model_path()
-    if kind.startswith("fastbert"):
+    if kind in FASTBERT_OPTIONS:
         command = [sys.executable, "-m", "fastbert", "serve", path, "--port", str(port), "--served-model-name",
-                   "minilm", "--log-level", "warning"] + (["--int8"] if kind == "fastbert-int8" else [])
+                   "minilm", "--log-level", "warning", *FASTBERT_OPTIONS[kind]]
     elif kind == "handwritten":
         command = [sys.executable, "-c", HANDWRITTEN, path, str(port)]
     else:
@@ -260,7 +266,8 @@ def cpu_name() -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", action="append", default=[], help="NAME=URL of a running server (its /v1)")
-    parser.add_argument("--start", default="", help="servers to start here: fastbert, fastbert-int8, handwritten")
+    parser.add_argument("--start", default="", help="servers to start here: fastbert (its defaults), fastbert-fp32, "
+                        "fastbert-bf16, fastbert-int8, handwritten")
     parser.add_argument("--model", default="minilm", help="the model name the servers are asked for")
     parser.add_argument("--seconds", type=float, default=20.0, help="timed seconds per setting")
     parser.add_argument("--busy", type=int, default=0, help="busy processes beside the timed settings")
