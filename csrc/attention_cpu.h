@@ -1,6 +1,6 @@
 // Padding-free attention on the CPU, float32 or bfloat16 in and out (float32 scores, softmax and sums either way):
 // each sequence's rows attend to that sequence only, optionally with a relative-position bias by distance (MPNet's)
-// or DeBERTa's disentangled position terms (float32 only).
+// or DeBERTa's disentangled position terms (their tables in float32 either way).
 //
 //   out[i, h] = sum_{j : |j - i| <= window} softmax_j(scale * q[i, h] . k[j, h] + bias[h, clamp(j - i, -R, R) + R]) v[j, h]
 //
@@ -19,7 +19,7 @@ namespace fastbert {
 struct AttentionCpuArgs {
   void* out;                    // [T, H, D], contiguous, of qkv's type
   const void* qkv;              // [T, 3, H, D], contiguous (the fused QKV GEMM's output): float, or bfloat16's bits
-  bool bf16;                    // qkv and out are bfloat16 (uint16_t bits); the tables below stay float
+  bool bf16;                    // qkv and out are bfloat16 (uint16_t bits); the tables below are float either way
   const int64_t* seqlens;       // [batch]: sequence b is the next seqlens[b] rows (sum = T)
   int64_t batch;
   int64_t heads;                // H

@@ -22,7 +22,8 @@
 // Each query's whole row of scores is kept (ROWS rows of Lp floats: L1 up to about a thousand keys, L2 beyond), so
 // the softmax is exact in one pass, with no running rescale.
 // bfloat16 (T = bf16): q, k and v become float32 as they are copied into the tiles (kt by 32-bit gathers of element
-// pairs, vp and each tile's queries row by row), so everything after runs the float32 code; each output is rounded
+// pairs, vp and each tile's queries or, for p2c, keys row by row; DeBERTa's tables come in float32), so everything
+// after runs the float32 code; each output is rounded
 // to bfloat16 (to nearest even, as torch rounds) when stored. No other rounding: the scores, softmax and sums are
 // float32, where torch's bf16 SDPA rounds the probabilities to bf16 before p v.
 // Vectors are GCC/Clang vector extensions; no -ffast-math: the sums' order is fixed.
@@ -95,6 +96,20 @@ KERNEL_TARGET static inline void row_to_float(const bf16* src, int64_t n, float*
   for (int64_t i = 0; i < n; i++) dst[i] = to_float(src[i]);
 }
 
+// ROWS rows of T (row r at rows[r], D elements) as float32 rows in out: the rows themselves for float, else converted
+// into buffer [ROWS, D]
+template <typename T>
+KERNEL_TARGET static inline void float_rows(const T* const* rows, int64_t D, float* buffer, const float** out) {
+  for (int r = 0; r < ROWS; r++) {
+    if constexpr (std::is_same_v<T, float>) {
+      out[r] = rows[r];
+    } else {
+      row_to_float(rows[r], D, buffer + r * D);
+      out[r] = buffer + r * D;
+    }
+  }
+}
+
 // the first `count` lanes of v -> dst (rounded to bfloat16 for bf16)
 KERNEL_TARGET static inline void store_out(float* dst, vec v, int64_t count) {
   if (count == LANES) {
@@ -143,7 +158,7 @@ KERNEL_TARGET static inline vec exp_nonpositive(vec x) {
 }
 
 struct Scratch {
-  std::vector<float> kt, vp, line, scores, rkt, rqt, c2p, p2c, queries;
+  std::vector<float> kt, vp, line, scores, rkt, rqt, c2p, p2c, tile_rows;
   std::vector<int32_t> rline;
 };
 
@@ -335,8 +350,8 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
     line = scratch.line.data();
   }
   // DeBERTa: the rows this sequence's distances reach, [first, first + N), and every key's dot products with r_q's
-  // (float32 only: the binding refuses position terms with bf16)
-  const bool terms = std::is_same_v<T, float> && (a.pos_key || a.pos_query);
+  const bool terms = a.pos_key || a.pos_query;
+  scratch.tile_rows.resize(ROWS * D);  // (bf16: a tile's query or key rows in float32)
   int64_t first = 0, Np = 0;
   const int32_t* rline = nullptr;
   float* c2p = nullptr;
@@ -364,12 +379,12 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
       transposed(a.pos_query, scratch.rqt);
       scratch.p2c.resize((L + ROWS) * Np);  // (a last tile of fewer than ROWS keys writes copies past L)
       p2c = scratch.p2c.data();
-      if constexpr (std::is_same_v<T, float>) {
-        for (int64_t j0 = 0; j0 < L; j0 += ROWS) {
-          const float* key[ROWS];
-          for (int r = 0; r < ROWS; r++) key[r] = k + std::min<int64_t>(j0 + r, L - 1) * qkv_stride;
-          score_rows(key, scratch.rqt.data(), D, Np, p2c + j0 * Np);
-        }
+      for (int64_t j0 = 0; j0 < L; j0 += ROWS) {
+        const T* rows[ROWS];
+        for (int r = 0; r < ROWS; r++) rows[r] = k + std::min<int64_t>(j0 + r, L - 1) * qkv_stride;
+        const float* key[ROWS];
+        float_rows(rows, D, scratch.tile_rows.data(), key);
+        score_rows(key, scratch.rqt.data(), D, Np, p2c + j0 * Np);
       }
     }
     if (!columns) {
@@ -382,19 +397,12 @@ KERNEL_TARGET static void attend_block(const fastbert::AttentionCpuArgs& a, int6
   }
 
   float* s = scratch.scores.data();
-  if constexpr (!std::is_same_v<T, float>) scratch.queries.resize(ROWS * D);
   for (int64_t i0 = i_begin; i0 < i_end; i0 += ROWS) {
     const int rows = static_cast<int>(std::min<int64_t>(ROWS, i_end - i0));
+    const T* query_rows[ROWS];
+    for (int r = 0; r < ROWS; r++) query_rows[r] = q + (i0 + std::min(r, rows - 1)) * qkv_stride;  // spare: a copy
     const float* query[ROWS];
-    for (int r = 0; r < ROWS; r++) {
-      const T* row = q + (i0 + std::min(r, rows - 1)) * qkv_stride;  // spare rows: a copy
-      if constexpr (std::is_same_v<T, float>) {
-        query[r] = row;
-      } else {
-        row_to_float(row, D, scratch.queries.data() + r * D);
-        query[r] = scratch.queries.data() + r * D;
-      }
-    }
+    float_rows(query_rows, D, scratch.tile_rows.data(), query);
     for (int64_t i = i0 + ROWS; i < std::min<int64_t>(i0 + 2 * ROWS, i_end); i++)  // (the next tile's queries)
       for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(q + i * qkv_stride + d);
 

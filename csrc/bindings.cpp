@@ -97,7 +97,6 @@ void attention_cpu(std::uintptr_t out, std::uintptr_t qkv, const std::vector<int
                    std::uintptr_t pos_key, std::uintptr_t pos_query, int64_t rel_rows, std::uintptr_t rel_index,
                    int64_t rel_center, bool bf16) {
   if (heads < 1 || head_dim < 1) throw std::invalid_argument("heads and head_dim must be >= 1");
-  if (bf16 && (pos_key || pos_query)) throw std::invalid_argument("DeBERTa's position terms run in float32 only");
   if (radius < 0) throw std::invalid_argument("radius must be >= 0");
   if ((pos_key || pos_query) && (!rel_index || rel_rows < 1 || rel_center < 0)) {
     throw std::invalid_argument("pos_key and pos_query need rel_index, rel_rows >= 1 and rel_center >= 0");

@@ -171,11 +171,6 @@ def test_bad_arguments_raise_before_the_kernel():
         attention_cpu.attention_cpu(qkv, [5], None, None, torch.arange(5))
     with pytest.raises(ValueError, match="isa"):
         attention_cpu.attention_cpu(qkv, [5], isa="sse2")
-    rows = torch.zeros(3, 16, dtype=torch.bfloat16)
-    terms = fastbert.ops.disentangled.Disentangled(rows, rows, torch.zeros(9, dtype=torch.int32), 0.1)
-    with pytest.raises(ValueError, match="position terms run in float32 only"):
-        attention_cpu.attention_cpu(qkv.bfloat16(), [5], columns=torch.arange(5, dtype=torch.int32),
-                                    disentangled=terms)
 
 
 @pytest.fixture

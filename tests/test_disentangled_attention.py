@@ -3,7 +3,7 @@ and head's dot products with the projected relative rows in cache and gathering 
 building the bias from the tables, against the float64 reference.
 
 Odd shapes: head dims 8, 26 and 80; sequences of 0, 1, 17, 255 and 300 tokens; 1 and 37 rows; each term alone and
-both; distances between offsets and between columns with holes.
+both; distances between offsets and between columns with holes; bfloat16 in and out (float32 inside).
 """
 
 import dataclasses
@@ -50,6 +50,24 @@ def test_kernel_matches_reference(isa, head_dim, lengths, which, rows):
     qkv, terms = qkv_of(tokens, heads, head_dim), terms_of(heads, head_dim, rows, max(lengths), which)
     out = attention_cpu.attention_cpu(qkv, lengths, isa=isa, disentangled=terms)
     torch.testing.assert_close(out, reference(qkv, lengths, terms).float(), rtol=0, atol=FP32_TOL)
+
+
+@CPU_KERNEL
+@pytest.mark.parametrize("isa", attention_cpu.attention_cpu_isas())
+@pytest.mark.parametrize("head_dim", [26, 27, 80])
+@pytest.mark.parametrize("which", [("c2p", "p2c"), ("p2c",)], ids="+".join)
+def test_kernel_in_bfloat16(isa, head_dim, which):
+    """bfloat16 q, k, v and tables (float32 inside): within half a bfloat16 step of the exact attention of those bf16
+    values (27: an odd head dim)."""
+    lengths, heads = [17, 0, 1, 5, 300], 3
+    qkv, terms = qkv_of(sum(lengths), heads, head_dim).bfloat16(), terms_of(heads, head_dim, 37, 300, which)
+    terms = dataclasses.replace(terms, pos_key=None if terms.pos_key is None else terms.pos_key.bfloat16(),
+                                pos_query=terms.pos_query.bfloat16())
+    out = attention_cpu.attention_cpu(qkv, lengths, isa=isa, disentangled=terms)
+    assert out.dtype == torch.bfloat16
+    exact = reference(qkv.float(), lengths, terms).float()
+    error = (out.float() - exact).abs()
+    assert bool((error <= exact.abs() * 2 ** -8 + 1e-5).all()), float((error - exact.abs() * 2 ** -8).max())
 
 
 @CPU_KERNEL

@@ -11,7 +11,7 @@ Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_
            (``handoff``)
   cpu-ext  fastbert._C's C++ kernel (``attention_cpu.py``): float32 or bfloat16 (float32 inside) inference on the CPU
            over packed tokens or a batch without padding, where it measured faster than SDPA on this CPU in that
-           dtype (``cpu.attention_figures``); DeBERTa's terms in float32
+           dtype (``cpu.attention_figures``)
   triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
            over packed tokens (``kernels/attention_varlen.py``); head dims up to ``MAX_HEAD_DIM``; windows and
            MPNet's relative bias inside the kernel
@@ -301,7 +301,7 @@ BACKENDS = dispatch.register("attention", [
 # (docs/benchmarks.md has the figures).
 DISENTANGLED_BACKENDS = dispatch.register("disentangled_attention", [
     Backend("cpu-ext", run=_cpu_run, unavailable=lambda device, dtype: attention_cpu_unavailable_reasons(),
-            why_not=lambda call: list(call.reasons), devices=("cpu",), dtypes=(torch.float32,),
+            why_not=lambda call: list(call.reasons), devices=("cpu",), dtypes=(torch.float32, torch.bfloat16),
             declines=_padded_rows),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     Backend("torch", run=_torch_run),

@@ -5,7 +5,7 @@ ModernBERT's windows and DeBERTa's disentangled terms gathered per score; the ``
     qkv [T, 3, H, D] float32 or bfloat16 -> [T, H, D] of its dtype, sequence b the next ``seqlens[b]`` rows
 
 bfloat16 runs float32 inside (scores, softmax, sums; q, k, v converted as they are loaded, the output rounded once),
-and its relative bias in float32; DeBERTa's terms run in float32 only.
+with its relative bias and DeBERTa's tables in float32.
 
 Launcher, registered op (``fastbert::attention_cpu``, what torch.compile sees) and why it cannot run here; whether it
 runs is measured once per machine against SDPA (``cpu.attention_figures``).
@@ -46,8 +46,6 @@ def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa=
     if qkv.device.type != "cpu" or qkv.dtype not in DTYPES or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be a float32 or bfloat16 CPU tensor [tokens, 3, heads, head_dim], got "
                          f"{tuple(qkv.shape)} {qkv.dtype} on {qkv.device}")
-    if qkv.dtype != torch.float32 and (pos_key is not None or pos_query is not None):
-        raise ValueError(f"DeBERTa's position terms run in float32 only, got qkv in {qkv.dtype}")
     if any(length < 0 for length in seqlens) or sum(seqlens) != qkv.shape[0]:
         raise ValueError(f"seqlens must be >= 0 and add up to qkv's {qkv.shape[0]} tokens, got {list(seqlens)}")
     if relative_bias is not None and (relative_bias.dtype not in (torch.float32, qkv.dtype)
@@ -73,7 +71,8 @@ def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", 
                for t in (qkv, relative_bias, columns, pos_key, pos_query, index)]
     qkv, relative_bias, columns, pos_key, pos_query, index = tensors
     _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index)
-    relative_bias = None if relative_bias is None else relative_bias.float()  # (the kernel adds it in float32)
+    # (the kernel reads the bias and DeBERTa's tables in float32)
+    relative_bias, pos_key, pos_query = (None if t is None else t.float() for t in (relative_bias, pos_key, pos_query))
     reasons = attention_cpu_unavailable_reasons()
     if reasons:
         raise RuntimeError(reasons[0])

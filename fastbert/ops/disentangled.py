@@ -51,7 +51,7 @@ class Tables:
 
 
 def check_rows(qkv, seqlens, columns, pos_key, pos_query, index):
-    """The C++ kernel's arguments: float32 [R, H * D] each, and an int32 index [2C + 1] of rows in
+    """The C++ kernel's arguments: float32 (or qkv's dtype) [R, H * D] each, and an int32 index [2C + 1] of rows in
     [0, R) that reaches every distance between the tokens' columns (a host read: the kernel indexes without checks)."""
     if pos_key is None and pos_query is None:
         if index is not None:
@@ -59,10 +59,10 @@ def check_rows(qkv, seqlens, columns, pos_key, pos_query, index):
         return
     rows, width = (pos_key if pos_key is not None else pos_query).shape[0], qkv.shape[2] * qkv.shape[3]
     for name, table in (("pos_key", pos_key), ("pos_query", pos_query)):
-        if table is not None and (table.dtype != torch.float32 or table.device.type != "cpu"
+        if table is not None and (table.dtype not in (torch.float32, qkv.dtype) or table.device.type != "cpu"
                                   or table.shape != (rows, width)):
-            raise ValueError(f"{name} must be a float32 CPU tensor [rows, heads * head_dim] = [{rows}, {width}], "
-                             f"got {tuple(table.shape)} {table.dtype} on {table.device}")
+            raise ValueError(f"{name} must be a float32 (or qkv's dtype) CPU tensor [rows, heads * head_dim] = "
+                             f"[{rows}, {width}], got {tuple(table.shape)} {table.dtype} on {table.device}")
     if index is None or index.dtype != torch.int32 or index.dim() != 1 or index.shape[0] % 2 == 0:
         raise ValueError("index must be an int32 tensor [2 * center + 1] with pos_key or pos_query, got "
                          f"{None if index is None else (tuple(index.shape), index.dtype)}")
