@@ -23,9 +23,9 @@
 // the softmax is exact in one pass, with no running rescale.
 // bfloat16 (T = bf16): q, k and v become float32 as they are copied into the tiles (kt by 32-bit gathers of element
 // pairs, vp and each tile's queries or, for p2c, keys row by row; DeBERTa's tables come in float32), so everything
-// after runs the float32 code; each output is rounded
-// to bfloat16 (to nearest even, as torch rounds) when stored. No other rounding: the scores, softmax and sums are
-// float32, where torch's bf16 SDPA rounds the probabilities to bf16 before p v.
+// after runs the float32 code; each output is rounded to bfloat16 (to nearest even, as torch rounds) when stored.
+// No other rounding: the scores, softmax and sums are float32, where torch's bf16 SDPA rounds the probabilities to
+// bf16 before p v.
 // Vectors are GCC/Clang vector extensions; no -ffast-math: the sums' order is fixed.
 
 namespace KERNEL_NAMESPACE {

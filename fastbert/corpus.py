@@ -220,8 +220,7 @@ class Embedder:
                 raise TypeError(f"texts[{i}]: expected str, got {type(text).__name__} ({text!r:.40})")
         loaded = self.load()
         sentence = loaded.sentence
-        prompt = sentence.prompt(self.task)
-        texts = [prompt + text for text in texts] if prompt else texts
+        texts = sentence.prompted(texts, self.task)
         if sentence.lowercase:
             texts = [text.lower() for text in texts]
         if loaded.model is None:  # a static lookup: no forward

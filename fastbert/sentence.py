@@ -114,6 +114,11 @@ class Sentence:
         name = task if task is not None and task in prompts else self.default_prompt_name
         return prompts.get(name) if name is not None else None
 
+    def prompted(self, texts: list[str], task: str | None) -> list[str]:
+        """``texts``, each after the task's prompt (``prompt``), as sentence-transformers tokenizes them."""
+        prompt = self.prompt(task)
+        return [prompt + text for text in texts] if prompt else texts
+
 
 def _folder_json(folder: str, name: str) -> dict:
     return _json(_file(folder, name))

@@ -102,7 +102,7 @@ class Embeddings(Engine):
         if prompt and not self.sentence.include_prompt:
             raise InputError(f"task {task!r}: the model's pooling leaves its prompt {prompt!r} out "
                              "(include_prompt=False), which fastbert does not reproduce", "task")
-        return super().tokenize([prompt + text for text in texts] if prompt else texts, truncate, first, field)
+        return super().tokenize(self.sentence.prompted(texts, task), truncate, first, field)
 
     def token_ids(self, rows: list[list[int]], truncate: bool) -> list[Item]:
         """Token ids given by the client (run as they are: no special tokens added), checked against the vocabulary."""

@@ -47,8 +47,7 @@ class _Retrieval(Engine):
                  task: str | None = None) -> list[Item]:
         """Texts (``<field>[first:]`` of a request) -> the task's sequences, cut at its length as the tokenizer cuts
         them (or refused: ``truncate`` False)."""
-        prompt = self.sentence.prompt(task)
-        sequences = self.tokens_of[task].single([prompt + text for text in texts] if prompt else texts)
+        sequences = self.tokens_of[task].single(self.sentence.prompted(texts, task))
         if not truncate:
             refuse_cut(sequences, first, f"has more than the model's {self.lengths[task]} tokens"
                        + (f" for task {task!r}" if task else ""), field)
@@ -115,8 +114,7 @@ class StaticLookup:
         self.weight = retrieval.load_weights(sentence.head.static)["weight"].float()  # [vocab]
 
     def tokenize(self, texts: list[str], truncate: bool, first: int, field: str, task: str | None) -> list[Item]:
-        prompt = self.sentence.prompt(task)
-        sequences = self.tokens.single([prompt + text for text in texts] if prompt else texts)
+        sequences = self.tokens.single(self.sentence.prompted(texts, task))
         if not truncate:
             refuse_cut(sequences, first, f"has more than the {self.max_length} tokens of task {task!r}'s "
                        "tokenizer", field)
