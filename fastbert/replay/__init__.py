@@ -16,9 +16,13 @@ recorded once as the list of its *steps*, and the next forwards of that plan and
   decision warned of a fallback, if a torch call between steps computed or copied, or if a step read a tensor of
   unknown origin.
 - **What is checked before each replay**: the plan is the forward's (anything a decision read, unchanged: hooks,
-  modules, settings, grad mode, ``.to()``), the shape is the one recorded (batch, length, or the packed sequences'
-  lengths, and the spare rows), and the program is current (``program.py``). Otherwise that forward runs op by op
-  and is captured again. A derived weight rebuilt or dropped anywhere drops every program (``derived.when_replaced``),
+  modules, settings, grad mode, ``.to()``), the shape is the one recorded, and the program is current
+  (``program.py``). Otherwise that forward runs op by op and is captured again. A dense batch's shape is its batch
+  and length. A packed batch's is its number of rows (and whether it has spare rows): the steps that depend on its
+  sequences take the layout itself (the attention's), which each replay passes anew, so a server's batches of
+  varied sequences (their rows bucketed, ``padding.bucket_rows``) meet programs. Where a step took what only these
+  sequences give (the int8 GEMMs take the token count, the int8 attention the lengths: ``Capture.bound``), the
+  program serves these very sequences, and that number of rows keeps programs per sequences. A derived weight rebuilt or dropped anywhere drops every program (``derived.when_replaced``),
   so none keeps an old one alive.
 - **Not replayed**: forwards with gradients, ``output_hidden_states``, a padded dense batch (its rows are data),
   the int8 guard's recording forwards, and every forward that is not planned (torch.compile, export, torch.func).
@@ -40,6 +44,7 @@ from .program import Program
 CAPTURE_AT = 2  # the forward of a plan and shape that is captured (the first teaches the int8 handoffs)
 MAX_SHAPES = 64  # shapes a plan keeps; past it, a new one replaces the oldest without a program (or the oldest)
 _DROPPED = -1  # a shape whose capture was dropped: it runs op by op
+_SEQUENCES = -2  # a number of packed rows whose programs serve the sequences they were recorded for only
 
 _holding: "weakref.WeakSet[Plan]" = weakref.WeakSet()  # the plans holding programs
 _counts = {"captured": 0, "replayed": 0}
@@ -84,6 +89,12 @@ def _shape(layout, x: torch.Tensor) -> tuple | None:
     return "dense", layout.batch, layout.seq_len, layout.spare_rows, tuple(x.shape), x.dtype
 
 
+def _rows(layout, x: torch.Tensor) -> tuple:
+    """What a packed program that serves any sequences of as many rows is recorded for (with or without spare rows:
+    without, the tokens are every row)."""
+    return "rows", layout.spare_rows == 0, tuple(x.shape), x.dtype
+
+
 def encode(owner: torch.nn.Module, layers, x: torch.Tensor, layout, forward) -> torch.Tensor:
     """``forward(x)``, the forward of ``owner``'s ``layers`` op by op (x [rows, hidden] -> [rows, hidden]), or its
     replay where this plan captured them at this shape (see the module's notes)."""
@@ -95,10 +106,13 @@ def encode(owner: torch.nn.Module, layers, x: torch.Tensor, layout, forward) -> 
         shape = _shape(layout, x)
     if shape is None or not len(layers):
         return forward(x)
-    key, shapes = (id(owner), id(layers[0]), len(layers), shape), current.plan.replays
+    shapes, forward_of = current.plan.replays, (id(owner), id(layers[0]), len(layers))
+    key, exact = forward_of + _rows(layout, x), forward_of + shape
+    if not layout.packed or shapes.get(key) == _SEQUENCES:  # (a dense batch's programs are of its shape anyway)
+        key, exact = exact, None
     entry = shapes.get(key)
     if isinstance(entry, Program):
-        out = entry.run(x) if entry.current() else None
+        out = entry.run(x, layout) if entry.current() else None
         if out is not None:
             _count("replayed")
             return out
@@ -112,11 +126,15 @@ def encode(owner: torch.nn.Module, layers, x: torch.Tensor, layout, forward) -> 
     if seen < CAPTURE_AT:
         shapes[key] = seen
         return forward(x)
-    return _capture(owner, x, forward, current, key)
+    return _capture(owner, x, layout, forward, current, key, exact)
 
 
-def _capture(owner, x: torch.Tensor, forward, current: run.Run, key: tuple) -> torch.Tensor:
-    capture = current.recorder = Capture(owner, x)
+def _capture(owner, x: torch.Tensor, layout, forward, current: run.Run, key: tuple, exact: tuple | None
+             ) -> torch.Tensor:
+    """Run and record ``forward(x)``, and keep its program under ``key``; or, where ``exact`` is the key of these
+    very sequences and the steps took something only they give (``Capture.bound``), under ``exact``, ``key``
+    marked so that its other sequences count and capture under their own."""
+    capture = current.recorder = Capture(owner, x, layout)
     try:
         with Glue(capture):
             out = forward(x)
@@ -124,6 +142,8 @@ def _capture(owner, x: torch.Tensor, forward, current: run.Run, key: tuple) -> t
         current.recorder = None
     output = capture.ref(out)
     plan = current.plan
+    if exact is not None and capture.bound is not None:
+        plan.replays[key], key = _SEQUENCES, exact
     program = Program(capture, output) if capture.failure is None else None
     if program is not None and not program.current():  # (another thread rebuilt a derived weight meanwhile)
         plan.replays[key] = CAPTURE_AT - 1

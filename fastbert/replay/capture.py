@@ -26,16 +26,22 @@ _GLUE = frozenset({
 })
 
 # how a step argument is found at replay: as recorded, a slot, a view of a slot's memory, a parameter (held weakly:
-# a program must not keep a replaced parameter alive, and reads it again each time)
-CONST, SLOT, VIEW, PARAM = 0, 1, 2, 3
+# a program must not keep a replaced parameter alive, and reads it again each time), the forward's token layout
+CONST, SLOT, VIEW, PARAM, LAYOUT = 0, 1, 2, 3, 4
 
 
 class Capture:
     """One encoder forward being recorded: its steps, the slots their outputs fill, the derived weights read."""
 
-    def __init__(self, owner: torch.nn.Module, x: torch.Tensor):
+    def __init__(self, owner: torch.nn.Module, x: torch.Tensor, layout):
         self.inside = 0  # > 0 while a step runs (its own torch calls are not glue)
         self.failure: str | None = None
+        # The forward's layout (``padding.TokenLayout``), passed to the steps that take it as the replay's own. A
+        # packed program serves other sequences of as many rows unless a step took what the layout alone should give
+        # (its lengths, its token count as a number, a view of its tokens' rows under another length): then ``bound``
+        # says which, and the program serves these sequences only.
+        self.layout, self.bound = layout, None
+        self.rows = x.shape[0]
         self.steps: list[tuple] = []
         self.derived: list[tuple] = []  # (owner, name, weak references to the parameters, value) of derived weights
         # The tensors the steps made, found by their memory: its address -> the slot whose tensor took it last (a
@@ -106,9 +112,12 @@ class Capture:
         return slot
 
     def ref(self, value) -> tuple:
+        if value is self.layout:
+            return LAYOUT, None
         if not isinstance(value, torch.Tensor):  # (ints, a handoff Target, a derived QuantizedWeight: as recorded)
             if any(id(t) not in self.known for t in tensors_of(value)):
                 self.fail("a step took an object holding tensors of the forward")
+            self._check_unbound(value)
             return CONST, value
         if id(value) in self.known:
             return CONST, value
@@ -127,7 +136,25 @@ class Capture:
             self.fail("a step read a tensor's memory as another dtype")
         if (value.storage_offset(), tuple(value.shape), tuple(value.stride())) == (offset, shape, stride):
             return SLOT, slot
-        return VIEW, slot, value.storage_offset() - offset, tuple(value.shape), tuple(value.stride())
+        # (a view of the tokens' rows, before the spare ones: as many rows as the replay's layout has tokens)
+        tokens_rows = self.layout.spare_rows > 0 and value.dim() > 0 and value.shape[0] == self.layout.tokens
+        if not tokens_rows and (value.dim() == 0 or value.shape[0] != self.rows):
+            self._bind("a step read a view of another number of rows")
+        return VIEW, slot, value.storage_offset() - offset, tuple(value.shape), tuple(value.stride()), tokens_rows
+
+    def _check_unbound(self, value) -> None:
+        """Note a value that only these sequences give (see ``bound``)."""
+        layout = self.layout
+        if not layout.packed:
+            return
+        if isinstance(value, (tuple, list)) and tuple(value) == layout.seqlens:
+            self._bind("a step took the sequences' lengths")
+        elif type(value) is int and (value == layout.tokens or layout.spare_rows and value == layout.spare_rows):
+            self._bind("a step took the token count as a number")
+
+    def _bind(self, why: str) -> None:
+        if self.bound is None:
+            self.bound = why
 
 
 class Glue(TorchFunctionMode):

@@ -1,4 +1,5 @@
-"""A recorded encoder forward: its steps, replayed for later forwards of the same plan and shape.
+"""A recorded encoder forward: its steps, replayed for later forwards of the same plan and shape (or, packed, of as
+many rows: ``capture.Capture.bound``).
 
 The outputs are the op-by-op forward's, bit for bit: the same native calls on the same values. A replay holds no
 more activations at once than the forward: each step's outputs are let go after the last step that reads them.
@@ -9,7 +10,7 @@ that the module attributes the glue read hold what they did.
 import torch
 
 from .. import derived
-from .capture import CONST, PARAM, SLOT, Capture
+from .capture import CONST, LAYOUT, PARAM, SLOT, Capture
 
 
 class Program:
@@ -53,9 +54,9 @@ class Program:
         used = self._derived_now()
         return used is not None and derived.joint_state(used) == self.derived_state
 
-    def run(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The encoder's output for input x, or None where a parameter it reads was freed since (then the forward
-        runs op by op)."""
+    def run(self, x: torch.Tensor, layout) -> torch.Tensor | None:
+        """The encoder's output for input x laid out as ``layout`` (``padding.TokenLayout``: what the steps that take
+        it get), or None where a parameter it reads was freed since (then the forward runs op by op)."""
         params = [ref() for ref in self.params]  # (read again: in-place writes are the forward's to see)
         if any(p is None for p in params):
             return None
@@ -65,18 +66,18 @@ class Program:
             if slotted:
                 args = list(args)
                 for i, ref in slotted:
-                    args[i] = _value(values, params, ref)
+                    args[i] = _value(values, params, layout, ref)
             if kwslotted:
                 kwargs = dict(kwargs)
                 for name, ref in kwslotted:
-                    kwargs[name] = _value(values, params, ref)
+                    kwargs[name] = _value(values, params, layout, ref)
             result = fn(*args, **kwargs)
             for slot, out in zip(outputs, result if many else (result,)):
                 if slot is not None:
                     values[slot] = out
             for slot in released:
                 values[slot] = None
-        return _value(values, params, self.output)
+        return _value(values, params, layout, self.output)
 
 
 def _template(refs):
@@ -88,7 +89,7 @@ def _template(refs):
     return tuple(ref[1] if ref[0] == CONST else None for ref in refs), slotted
 
 
-def _value(values: list, params: list, ref: tuple):
+def _value(values: list, params: list, layout, ref: tuple):
     kind = ref[0]
     if kind == SLOT:
         return values[ref[1]]
@@ -96,7 +97,11 @@ def _value(values: list, params: list, ref: tuple):
         return params[ref[1]]
     if kind == CONST:
         return ref[1]
-    base = values[ref[1]]
-    return base.as_strided(ref[3], ref[4], base.storage_offset() + ref[2])
+    if kind == LAYOUT:
+        return layout
+    base, shape = values[ref[1]], ref[3]
+    if ref[5]:  # (a view of the tokens' rows: this layout's)
+        shape = (layout.tokens, *shape[1:])
+    return base.as_strided(shape, ref[4], base.storage_offset() + ref[2])
 
 
