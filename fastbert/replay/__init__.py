@@ -22,8 +22,8 @@ recorded once as the list of its *steps*, and the next forwards of that plan and
   sequences take the layout itself (the attention's), which each replay passes anew, so a server's batches of
   varied sequences (their rows bucketed, ``padding.bucket_rows``) meet programs. Where a step took what only these
   sequences give (the int8 GEMMs take the token count, the int8 attention the lengths: ``Capture.bound``), the
-  program serves these very sequences, and that number of rows keeps programs per sequences. A derived weight rebuilt or dropped anywhere drops every program (``derived.when_replaced``),
-  so none keeps an old one alive.
+  program serves these very sequences, and that number of rows keeps programs per sequences. A derived weight
+  rebuilt or dropped anywhere drops every program (``derived.when_replaced``), so none keeps an old one alive.
 - **Not replayed**: forwards with gradients, ``output_hidden_states``, a padded dense batch (its rows are data),
   the int8 guard's recording forwards, and every forward that is not planned (torch.compile, export, torch.func).
 
@@ -107,9 +107,11 @@ def encode(owner: torch.nn.Module, layers, x: torch.Tensor, layout, forward) -> 
     if shape is None or not len(layers):
         return forward(x)
     shapes, forward_of = current.plan.replays, (id(owner), id(layers[0]), len(layers))
-    key, exact = forward_of + _rows(layout, x), forward_of + shape
-    if not layout.packed or shapes.get(key) == _SEQUENCES:  # (a dense batch's programs are of its shape anyway)
-        key, exact = exact, None
+    key, exact = forward_of + shape, None  # (a dense batch's programs are of its shape)
+    if layout.packed:
+        rows = forward_of + _rows(layout, x)
+        if shapes.get(rows) != _SEQUENCES:
+            key, exact = rows, key
     entry = shapes.get(key)
     if isinstance(entry, Program):
         out = entry.run(x, layout) if entry.current() else None
