@@ -18,6 +18,7 @@
 #include "attention_int8_cpu.h"
 #include "embedding_layer_norm.h"
 #include "fingerprint.h"
+#include "gemm_cpu.h"
 #include "layer_norm_cpu.h"
 #include "quantize_cpu.h"
 
@@ -181,6 +182,17 @@ void quantize_per_token_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, 
                                    reinterpret_cast<float*>(scales), num_threads, avx2);
 }
 
+void gemm_cpu(std::uintptr_t x, int64_t x_stride, std::uintptr_t packed, std::uintptr_t bias, std::uintptr_t residual,
+              std::uintptr_t y, int64_t rows, int64_t in, int64_t out, int num_threads) {
+  if (rows < 0 || in < 0 || out < 0 || x_stride < in) throw std::invalid_argument("rows, in, out >= 0, x_stride >= in");
+  if (rows * out == 0) return;
+  if (!y || (in > 0 && (!x || !packed))) throw std::invalid_argument("null data pointer");
+  fastbert::gemm_cpu({reinterpret_cast<const float*>(x), x_stride, reinterpret_cast<const float*>(packed),
+                      reinterpret_cast<const float*>(bias), reinterpret_cast<const float*>(residual),
+                      reinterpret_cast<float*>(y), rows, in, out},
+                     num_threads);
+}
+
 void layer_norm_cpu(std::uintptr_t x, std::uintptr_t y, std::uintptr_t weight, std::uintptr_t bias, int64_t rows,
                     int64_t cols, double eps, std::uintptr_t q, std::uintptr_t smooth, double scale,
                     int64_t zero_point, int num_threads, const std::string& isa) {
@@ -319,6 +331,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("rows"), py::arg("cols"),
         py::arg("eps"), py::arg("q"), py::arg("smooth"), py::arg("scale"), py::arg("zero_point"),
         py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
+
+  m.def("gemm_cpu", &gemm_cpu,
+        "y [rows, out] = float32 x [rows, in] (row stride x_stride) @ W^T + bias (+ residual [rows, out]; either 0: "
+        "none), W prepacked as [ceil(out / 16), in, 16] panels (gemm_cpu.h). RuntimeError on a CPU without AVX2 "
+        "and FMA.",
+        py::arg("x"), py::arg("x_stride"), py::arg("packed"), py::arg("bias"), py::arg("residual"), py::arg("y"),
+        py::arg("rows"), py::arg("in"), py::arg("out"), py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>());
+
+  m.def("gemm_cpu_available", &fastbert::gemm_cpu_available,
+        "Whether this CPU runs the float32 GEMM of gemm_cpu (x86-64 with AVX2 and FMA).");
 
   m.def("quantize_cpu_available", &fastbert::quantize_cpu_available,
         "Whether this CPU runs the int8 activation quantizer (x86-64 with AVX2 and FMA).");

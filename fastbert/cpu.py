@@ -23,19 +23,20 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm, store, threads
+from . import cpu_gemm, native_gemm, store, threads
 from .int8 import linear as int8_linear
 
 # The instruction-set flags that change what is fast here, as /proc/cpuinfo names them.
 ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ne_convert",
              "amx_tile", "amx_bf16", "amx_int8")
 
-# oneDNN replaces F.linear only when it is at least this much faster at every measured size: near a tie the
-# measurement would flip between runs (the stored choice keeps later processes on the first one's), and a bare-GEMM
-# tie is not worth other low-order bits than transformers'. 5 %, not more: the model gains more than the bare GEMM
-# shows (prepacked weights, bias/GELU/residual in the epilogue). On an AMD EPYC Zen 4, 2 threads, fp32: GEMMs 1.17x
-# at 128 tokens and 1.097x at 1024; mpnet-base 8 x 128 with oneDNN 1.19x transformers, with F.linear 1.05x.
-ONEDNN_MARGIN = 1.05
+# A GEMM library (oneDNN, fastbert's native GEMM) replaces F.linear only when at least this much faster at every
+# measured size: near a tie the measurement would flip between runs (the stored choice keeps later processes on the
+# first one's), and a bare-GEMM tie is not worth other low-order bits than transformers'. 5 %, not more: the model
+# gains more than the bare GEMM shows (prepacked weights, bias/GELU/residual in the epilogue). On an AMD EPYC Zen 4,
+# 2 threads, fp32: oneDNN's GEMMs 1.17x at 128 tokens and 1.097x at 1024; mpnet-base 8 x 128 with oneDNN 1.19x
+# transformers, with F.linear 1.05x.
+GEMM_MARGIN = 1.05
 
 ENV_CACHE_DIR = store.ENV_CACHE_DIR
 
@@ -105,11 +106,25 @@ def _timed(measure, count: int) -> tuple[dict, str | None]:
     return figures, None
 
 
+def gemm_libraries(dtype: torch.dtype) -> tuple[str, ...]:
+    """The GEMM libraries that can run ``dtype`` here: torch's F.linear always, oneDNN's packed linear where it runs
+    (``cpu_gemm``), fastbert's native GEMM for float32 where it runs (``native_gemm``)."""
+    native = dtype == torch.float32 and not native_gemm.unavailable_reasons()
+    return ("torch",) + ("onednn",) * (not cpu_gemm.unavailable_reasons(dtype)) + ("native",) * native
+
+
 def gemm_figures(dtype: torch.dtype) -> dict:
-    """GFLOP/s of torch's F.linear and of oneDNN's packed linear at ``GEMM_TOKENS`` tokens in ``dtype``:
-    {"torch": {tokens: gflops}, "onednn": {...}, "source": ...} (or "busy"). Measured once per machine (~0.2 s),
-    then read back by every process."""
-    return _measured(dtype, str(dtype), ("torch", "onednn"), GEMM_TOKENS, lambda: _measure_gemm(dtype))
+    """GFLOP/s of each of ``gemm_libraries(dtype)`` at ``GEMM_TOKENS`` tokens in ``dtype`` (``_measure_gemm``):
+    {"torch": {tokens: gflops}, "onednn": {...}, ..., "source": ...} (or "busy"). Measured once per machine, then
+    read back by every process."""
+    libraries = gemm_libraries(dtype)
+    return _measured(dtype, gemm_measurement(dtype), libraries, GEMM_TOKENS, lambda: _measure_gemm(dtype, libraries))
+
+
+def gemm_measurement(dtype: torch.dtype) -> str:
+    """The name of the GEMM measurement in ``dtype`` in the store's key: its shapes, so that a machine that measured
+    other shapes measures again."""
+    return f"{dtype} gemm {' '.join(f'{n_in}x{n_out}' for n_in, n_out in GEMM_SHAPES)}"
 
 
 def gemm_figures_so_far() -> dict[torch.dtype, dict]:
@@ -127,9 +142,9 @@ def attention_figures_so_far() -> dict[str, dict]:
 def int8_figures(bits: int) -> dict:
     """Effective GFLOP/s of the fp32 GEMMs (torch, oneDNN where it runs) and of the int8 linear with ``bits``-bit
     weights, activation quantization included, measured once per machine (~2 s)."""
-    libraries = ("torch", "onednn", "int8") if not cpu_gemm.unavailable_reasons(torch.float32) else ("torch", "int8")
+    libraries = gemm_libraries(torch.float32) + ("int8",)
     return _measured(("int8", bits), f"{torch.float32} int8 w{bits}", libraries, INT8_TOKENS,
-                     lambda: _measure_int8(bits))
+                     lambda: _measure_int8(bits, libraries))
 
 
 def int8_figures_so_far() -> dict:
@@ -145,24 +160,31 @@ def int8_slower_reason(bits: int, margin: float) -> str | None:
     if "busy" in figures:
         return None
     for tokens, int8_gflops in figures["int8"].items():
-        fp32_gflops = max(figures[lib].get(tokens, 0.0) for lib in ("torch", "onednn") if lib in figures)
+        fp32_gflops = max(figures[lib].get(tokens, 0.0) for lib in ("torch", "onednn", "native") if lib in figures)
         if int8_gflops < margin * fp32_gflops:
             return (f"int8 GEMMs are not {margin}x faster than float32 on this CPU at {tokens} tokens "
                     f"({int8_gflops} vs {fp32_gflops} GFLOP/s)")
     return None
 
 
-def onednn_slower_reason(dtype: torch.dtype) -> str | None:
-    """Why oneDNN does not replace F.linear on this CPU for ``dtype`` (not ``ONEDNN_MARGIN`` faster at every
-    measured size, or not measured yet because the machine was busy), or None when it does."""
+def gemm_slower_reason(library: str, dtype: torch.dtype) -> str | None:
+    """Why ``library`` ("onednn" or "native", one of ``gemm_libraries(dtype)``) does not replace F.linear on this CPU
+    for ``dtype`` (not ``GEMM_MARGIN`` faster at every measured size; another library that is has the larger lead at
+    its worst size; or not measured yet because the machine was busy), or None when it does."""
     figures = gemm_figures(dtype)
     if "busy" in figures:
         return f"not measured yet: the machine was busy when fastbert tried ({figures['busy']})"
+    name = str(dtype).removeprefix("torch.")
     for tokens, torch_gflops in figures["torch"].items():
-        onednn_gflops = figures["onednn"][tokens]
-        if onednn_gflops < ONEDNN_MARGIN * torch_gflops:
-            return (f"not {ONEDNN_MARGIN}x faster than torch's F.linear on this CPU at {tokens} tokens "
-                    f"({onednn_gflops} vs {torch_gflops} GFLOP/s, {str(dtype).removeprefix('torch.')})")
+        if figures[library][tokens] < GEMM_MARGIN * torch_gflops:
+            return (f"not {GEMM_MARGIN}x faster than torch's F.linear on this CPU at {tokens} tokens "
+                    f"({figures[library][tokens]} vs {torch_gflops} GFLOP/s, {name})")
+    lead = {lib: min(figures[lib][t] / figures["torch"][t] for t in figures["torch"])
+            for lib in gemm_libraries(dtype) if lib != "torch"}
+    best = max(lead, key=lead.get)
+    if best != library and lead[best] > lead[library]:
+        return (f"{best} is faster still on this CPU ({lead[best]:.2f}x torch's F.linear at its slowest measured size, "
+                f"{library} {lead[library]:.2f}x, {name})")
     return None
 
 
@@ -214,23 +236,32 @@ def median_seconds(calls: dict, warmup: int = 3, reps: int = 21) -> dict[str, fl
 
 # A small batch (one sequence) and a large one: a library that wins one may lose the other.
 GEMM_TOKENS = (128, 1024)
+# bert-base's attention output (in, out) and its first FFN GEMM: a library may win one shape and lose the other (seen,
+# AMD EPYC Zen 3: fastbert's native GEMM 1.09x MKL on the first, 1.5x on the second, at 128 tokens).
+GEMM_SHAPES = ((768, 768), (768, 3072))
 
 
-def _measure_gemm(dtype: torch.dtype) -> dict[str, dict[int, float]]:
-    """GFLOP/s of torch's ``F.linear`` and of the packed oneDNN linear on [tokens, 768] x [768, 768]^T GEMMs in
-    ``dtype``, for each of ``GEMM_TOKENS`` (median of 21 after 3 warm-ups, the libraries interleaved; ~0.2 s: 5
-    calls of the 128-token GEMM, 0.2 ms each, left 2-core machines a few percent either way from run to run)."""
+def _measure_gemm(dtype: torch.dtype, libraries: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    """Effective GFLOP/s of ``libraries`` (``gemm_libraries``) over the ``GEMM_SHAPES`` GEMMs with a bias in
+    ``dtype``, for each of ``GEMM_TOKENS`` (medians after warm-ups, the libraries interleaved: 21 reps at 128 tokens,
+    7 at 1024, ~1.5 s on 2 cores of an AVX2 CPU in float32, a few percent either way from run to run)."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(768, 768, generator=generator).to(dtype)
-    bias = torch.zeros(768, dtype=dtype)
-    figures = {"torch": {}, "onednn": {}}
+    weights = [torch.randn(n_out, n_in, generator=generator).to(dtype) for n_in, n_out in GEMM_SHAPES]
+    biases = [torch.zeros(w.shape[0], dtype=dtype) for w in weights]
+    figures = {name: {} for name in libraries}
     with torch.inference_mode():
-        packed = cpu_gemm.pack(weight)
+        onednn = [cpu_gemm.pack(w) for w in weights] if "onednn" in libraries else None
+        native = [native_gemm.pack(w) for w in weights] if "native" in libraries else None
         for tokens in GEMM_TOKENS:
-            x = torch.randn(tokens, 768, generator=generator).to(dtype)
-            calls = {"torch": lambda: F.linear(x, weight, bias), "onednn": lambda: cpu_gemm.linear(x, packed, bias)}
-            gflop = 2 * tokens * 768 * 768 / 1e9
-            for name, seconds in median_seconds(calls).items():
+            xs = [torch.randn(tokens, w.shape[1], generator=generator).to(dtype) for w in weights]
+            calls = {
+                "torch": lambda: [F.linear(x, w, b) for x, w, b in zip(xs, weights, biases)],
+                "onednn": lambda: [cpu_gemm.linear(x, p, b) for x, p, b in zip(xs, onednn, biases)],
+                "native": lambda: [native_gemm.linear(x, p, b) for x, p, b in zip(xs, native, biases)],
+            }
+            gflop = sum(2 * tokens * w.numel() for w in weights) / 1e9
+            reps = 21 if tokens <= 128 else 7
+            for name, seconds in median_seconds({name: calls[name] for name in libraries}, warmup=2, reps=reps).items():
                 figures[name][tokens] = round(gflop / seconds, 1)
     return figures
 
@@ -240,30 +271,29 @@ INT8_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))
 INT8_TOKENS = (128, 1024)
 
 
-def _measure_int8(bits: int) -> dict[str, dict[int, float]]:
-    """Effective GFLOP/s over bert-base's four GEMM shapes, per token count, of the fp32 GEMMs (torch's F.linear, and
-    oneDNN's packed linear where it runs) and of the int8 linear, quantization of x included (median of 11 after 2
+def _measure_int8(bits: int, libraries: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    """Effective GFLOP/s over bert-base's four GEMM shapes, per token count, of the fp32 GEMM libraries of
+    ``libraries`` (``gemm_libraries``) and of the int8 linear, quantization of x included (median of 11 after 2
     warm-ups, interleaved; ~2 s)."""
     generator = torch.Generator().manual_seed(0)
-    figures = {"torch": {}, "onednn": {}, "int8": {}}
+    figures = {name: {} for name in libraries}
     with torch.inference_mode():
         weights = [torch.randn(n_out, n_in, generator=generator) / n_in ** 0.5 for n_in, n_out in INT8_SHAPES]
         biases = [torch.zeros(w.shape[0]) for w in weights]
         quantized = [int8_linear.quantize_weight(w, bits) for w in weights]
-        packed = None if cpu_gemm.unavailable_reasons(torch.float32) else [cpu_gemm.pack(w) for w in weights]
+        onednn = [cpu_gemm.pack(w) for w in weights] if "onednn" in libraries else None
+        native = [native_gemm.pack(w) for w in weights] if "native" in libraries else None
         for tokens in INT8_TOKENS:
             xs = [torch.randn(tokens, w.shape[1], generator=generator) for w in weights]
             calls = {
                 "torch": lambda: [F.linear(x, w, b) for x, w, b in zip(xs, weights, biases)],
+                "onednn": lambda: [cpu_gemm.linear(x, p, b) for x, p, b in zip(xs, onednn, biases)],
+                "native": lambda: [native_gemm.linear(x, p, b) for x, p, b in zip(xs, native, biases)],
                 "int8": lambda: [int8_linear.linear(x, q, b) for x, q, b in zip(xs, quantized, biases)],
             }
-            if packed is not None:
-                calls["onednn"] = lambda: [cpu_gemm.linear(x, p, b) for x, p, b in zip(xs, packed, biases)]
             gflop = sum(2 * tokens * w.numel() for w in weights) / 1e9
-            for name, seconds in median_seconds(calls, warmup=2, reps=11).items():
+            for name, seconds in median_seconds({name: calls[name] for name in libraries}, warmup=2, reps=11).items():
                 figures[name][tokens] = round(gflop / seconds, 1)
-    if packed is None:
-        del figures["onednn"]
     return figures
 
 

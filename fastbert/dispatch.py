@@ -17,7 +17,7 @@ reason; it reads nothing but its arguments and the settings, and changes nothing
 keeps each decision, a named backend with its call, while nothing it read has changed.
 
 Settings: ``FASTBERT_BACKEND=auto|torch|triton`` (``torch`` runs every op's ``torch`` backend; ``triton`` prefers the
-``triton`` backend wherever an op has one and it can run), ``FASTBERT_CPU_GEMM=auto|onednn|torch`` and
+``triton`` backend wherever an op has one and it can run), ``FASTBERT_CPU_GEMM=auto|onednn|native|torch`` and
 ``FASTBERT_CPU_INT8=auto|on|off`` (read by the GEMM backends), ``FASTBERT_CPU_REPLAY=auto|off`` (``replay/``). The
 environment is read once, at the first forward (``reload_settings()`` reads it again). A skipped faster backend is
 warned once, with its reasons, unless every reason is a ``MeasuredChoice`` (this machine measured the other faster) or
@@ -46,7 +46,7 @@ ENV_CPU_REPLAY = "FASTBERT_CPU_REPLAY"
 @dataclasses.dataclass(frozen=True)
 class Settings:
     backend: str  # FASTBERT_BACKEND: auto, torch or triton
-    cpu_gemm: str  # FASTBERT_CPU_GEMM: auto, onednn or torch
+    cpu_gemm: str  # FASTBERT_CPU_GEMM: auto, onednn, native or torch
     cpu_int8: str  # FASTBERT_CPU_INT8: auto (quantized GEMMs in int8 where measured faster), on, or off (float32)
     interpreter: bool  # TRITON_INTERPRET set: Triton may run CPU tensors (through its interpreter)
     cpu_replay: str  # FASTBERT_CPU_REPLAY: auto (replay/) or off
@@ -68,7 +68,7 @@ def settings() -> Settings:
     if _settings is None:
         _settings = Settings(
             backend=_read(ENV_BACKEND, ("auto", "torch", "triton")),
-            cpu_gemm=_read(ENV_CPU_GEMM, ("auto", "onednn", "torch")),
+            cpu_gemm=_read(ENV_CPU_GEMM, ("auto", "onednn", "native", "torch")),
             cpu_int8=_read(ENV_CPU_INT8, ("auto", "on", "off")),
             interpreter=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
             cpu_replay=_read(ENV_CPU_REPLAY, ("auto", "off")),

@@ -66,7 +66,7 @@ def info() -> dict:
         # machine and dtype; "source": measured now, or the file that holds this machine's figures).
         "cpu_gemm": {
             "requested": dispatch.settings().cpu_gemm,
-            "onednn_margin": cpu.ONEDNN_MARGIN,
+            "margin": cpu.GEMM_MARGIN,
             "measured_gflops": {str(d).removeprefix("torch."): g for d, g in cpu.gemm_figures_so_far().items()},
         },
         # CPU int8 (fastbert.quantize): whether it runs here and on which ISA path, the measured GFLOP/s, why the int8

@@ -1,5 +1,6 @@
-"""CPU GEMMs through oneDNN (fastbert/cpu_gemm.py): the op against its torch reference on odd shapes, the model
-with oneDNN forced against HF, and the prepacked-weight cache following every way the weights change."""
+"""CPU GEMMs on prepacked weights, oneDNN's (fastbert/cpu_gemm.py) and fastbert's own (fastbert/native_gemm.py; its
+op tests: test_native_gemm.py): oneDNN's op against its torch reference on odd shapes, the model with each library
+forced against HF, and the prepacked-weight caches following every way the weights change."""
 
 import copy
 import os
@@ -14,6 +15,7 @@ from test_model_api import right_padded
 
 import fastbert
 from fastbert import cpu, cpu_gemm, dispatch, padding
+from fastbert.ops import gemm as gemm_op
 
 
 @pytest.fixture
@@ -23,6 +25,16 @@ def onednn(fastbert_env):
     if reasons:
         pytest.skip("; ".join(reasons))
     fastbert_env(FASTBERT_CPU_GEMM="onednn")
+
+
+@pytest.fixture(params=list(gemm_op.LIBRARIES))
+def packed_gemm(request, fastbert_env):
+    """Each CPU GEMM library that reads prepacked weights (oneDNN, fastbert's native GEMM), forced for one test."""
+    reasons = gemm_op.LIBRARIES[request.param][1](torch.float32)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    fastbert_env(FASTBERT_CPU_GEMM=request.param)
+    return request.param
 
 
 SHAPES = [(1, 312, 26), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens, in, out)
@@ -90,7 +102,7 @@ def _inputs(config):
 
 
 @pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
-def test_model_matches_hf(onednn, name):
+def test_model_matches_hf(packed_gemm, name):
     config = FAMILY_CONFIGS[name]
     hf, fast = _pair(config)
     input_ids, mask = _inputs(config)
@@ -98,9 +110,9 @@ def test_model_matches_hf(onednn, name):
         out, out_hf = fast(input_ids, attention_mask=mask), hf(input_ids, attention_mask=mask)
     real = mask.bool()
     torch.testing.assert_close(out.last_hidden_state[real], out_hf.last_hidden_state[real], rtol=0, atol=1e-4)
-    assert fastbert.info()["backends"]["gemm"] == "onednn"
+    assert fastbert.info()["backends"]["gemm"] == packed_gemm
     packed = [m for m in fast.modules() if "_fastbert_derived" in m.__dict__]
-    assert packed, "no oneDNN weight was cached"
+    assert packed, "no prepacked weight was cached"
 
 
 def test_token_rows_are_bucketed_for_onednn(onednn, monkeypatch):
@@ -132,7 +144,7 @@ def test_bucket_sizes():
     assert len(set(sizes)) == 16 + 16 * 5  # multiples of 16 up to 256, then 16 sizes per octave up to 8192
 
 
-def test_mlm_transform_matches_hf(onednn):
+def test_mlm_transform_matches_hf(packed_gemm):
     config = FAMILY_CONFIGS["bert"]
     hf, fast = _pair(config, transformers.BertForMaskedLM)
     input_ids, mask = _inputs(config)
@@ -141,7 +153,7 @@ def test_mlm_transform_matches_hf(onednn):
     torch.testing.assert_close(logits[mask.bool()], logits_hf[mask.bool()], rtol=0, atol=1e-4)
 
 
-def test_packed_weights_follow_the_parameters(onednn):
+def test_packed_weights_follow_the_parameters(packed_gemm):
     """In-place updates, load_state_dict, a training step and .to() each reach the next inference forward."""
     config = FAMILY_CONFIGS["bert"]
     hf, fast = _pair(config)
@@ -182,7 +194,8 @@ def test_backend_torch_keeps_f_linear(fastbert_env):
     _, fast = _pair(config)
     with torch.inference_mode():
         fast(*_inputs(config))
-    assert not any("onednn" in key for m in fast.modules() for key in m.__dict__.get("_fastbert_derived", {}))
+    assert not any(library in key for m in fast.modules() for key in m.__dict__.get("_fastbert_derived", {})
+                   for library in gemm_op.LIBRARIES)
     assert fastbert.info()["backends"]["gemm"] == "torch"
 
 
@@ -192,15 +205,16 @@ def test_info_reports_the_measurement_and_the_cpu(fastbert_env, monkeypatch, tmp
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "_figures", {})
     fastbert_env(FASTBERT_CPU_GEMM="auto")
-    if not cpu_gemm.unavailable_reasons(torch.float32):
-        assert dispatch.report(torch.device("cpu"), torch.float32)[0]["gemm"] in ("onednn", "torch")
+    libraries = cpu.gemm_libraries(torch.float32)  # (torch's F.linear alone: nothing to measure)
+    if len(libraries) > 1:
+        assert dispatch.report(torch.device("cpu"), torch.float32)[0]["gemm"] in libraries
     info = fastbert.info()
     gemm = info["cpu_gemm"]
     assert gemm["requested"] == "auto"
-    if not cpu_gemm.unavailable_reasons(torch.float32):
+    if len(libraries) > 1:
         figures = gemm["measured_gflops"]["float32"]
-        assert set(figures) == {"torch", "onednn", "source"}
-        assert set(figures["torch"]) == set(figures["onednn"]) == set(cpu.GEMM_TOKENS)
+        assert set(figures) == {*libraries, "source"}
+        assert all(set(figures[library]) == set(cpu.GEMM_TOKENS) for library in libraries)
     assert info["cpu"]["model"] and set(info["cpu"]["flags"]) == set(fastbert.cpu.ISA_FLAGS)
     assert info["cpu"]["native_bf16"] == (info["cpu"]["flags"]["avx512_bf16"] or info["cpu"]["flags"]["amx_bf16"])
 
@@ -224,13 +238,15 @@ def test_gemm_choice_is_the_same_in_every_process(tmp_path):
     assert first[1].split("'source'")[0] == second[1].split("'source'")[0]  # the same figures
 
 
-def test_forced_onednn_falls_back_where_it_cannot_run(fastbert_env, bert_trio, assert_matches_hf):
-    """FASTBERT_CPU_GEMM=onednn with an fp16 model (oneDNN runs fp32/bf16 here): F.linear runs those GEMMs, said
-    once, instead of every forward raising."""
-    fastbert_env(FASTBERT_CPU_GEMM="onednn")
+@pytest.mark.parametrize("library", list(gemm_op.LIBRARIES))
+def test_forced_library_falls_back_where_it_cannot_run(fastbert_env, bert_trio, assert_matches_hf, library):
+    """FASTBERT_CPU_GEMM=onednn or native with an fp16 model (oneDNN runs fp32/bf16, the native GEMM fp32): F.linear
+    runs those GEMMs, said once, instead of every forward raising."""
+    fastbert_env(FASTBERT_CPU_GEMM=library)
     trio = bert_trio(dtype=torch.float16)
     input_ids, mask = right_padded(trio.config)
-    with pytest.warns(RuntimeWarning, match="FASTBERT_CPU_GEMM=onednn, but oneDNN cannot run torch.float16"):
+    name = gemm_op.LIBRARIES[library][0]
+    with pytest.warns(RuntimeWarning, match=f"FASTBERT_CPU_GEMM={library}, but {name} cannot run torch.float16"):
         out, out_hf, out_ref = trio.run(input_ids, attention_mask=mask)
     assert_matches_hf(out.last_hidden_state, out_hf.last_hidden_state, out_ref.last_hidden_state, mask)
 
@@ -267,7 +283,7 @@ def test_bf16_error_within_hf_bf16_error(fastbert_env, gemm):
         assert stat(errors["fastbert"]) <= 1.2 * stat(errors["hf"]), (stat.__name__, errors)
 
 
-def test_copies_and_pickles_after_a_forward(onednn):
+def test_copies_and_pickles_after_a_forward(packed_gemm):
     """The packed weights cannot be copied or pickled; a copy starts without them and rebuilds its own."""
     import io
 
@@ -286,8 +302,9 @@ def test_copies_and_pickles_after_a_forward(onednn):
             torch.testing.assert_close(model(input_ids, attention_mask=mask).last_hidden_state, before)
 
 
-def test_bias_only_training_gets_bias_gradients(onednn):
-    """Frozen weights, trainable biases (BitFit): every bias gets HF's gradient (oneDNN's op has no autograd)."""
+def test_bias_only_training_gets_bias_gradients(packed_gemm):
+    """Frozen weights, trainable biases (BitFit): every bias gets HF's gradient (the packed GEMMs have no
+    autograd)."""
     config = FAMILY_CONFIGS["bert"]
     hf, fast = _pair(config)
     for model in (hf, fast):
@@ -305,7 +322,7 @@ def test_bias_only_training_gets_bias_gradients(onednn):
             torch.testing.assert_close(grads[0][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_lora_merge_after_inference_is_seen(onednn):
+def test_lora_merge_after_inference_is_seen(packed_gemm):
     """Inference, then LoRA on every dense, training, merge_and_unload (which writes through ``.data``): the next
     forward uses the merged weights, not a copy cached before the LoRA wrap."""
     peft = pytest.importorskip("peft")

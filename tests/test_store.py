@@ -24,7 +24,9 @@ import torch
 import fastbert
 from fastbert import cpu, cpu_gemm, dispatch, store, threads
 
-GEMM = (str(torch.float32), ("torch", "onednn"), cpu.GEMM_TOKENS)
+GEMM = (cpu.gemm_measurement(torch.float32), cpu.gemm_libraries(torch.float32), cpu.GEMM_TOKENS)
+OTHER = GEMM[1][-1]  # the library measured beside torch's F.linear (oneDNN, fastbert's native GEMM)
+NOTHING_MEASURED = "no GEMM library but torch's runs float32 here: nothing is measured"
 
 
 @pytest.fixture
@@ -36,20 +38,20 @@ def empty_store(monkeypatch, tmp_path):
 
 
 def _valid(measured: float = 100.0) -> dict:
-    return {"torch": {str(t): measured for t in GEMM[2]}, "onednn": {str(t): measured for t in GEMM[2]},
-            "measured_at": time.time()}
+    return {**{library: {str(t): measured for t in GEMM[2]} for library in GEMM[1]}, "measured_at": time.time()}
 
 
 GOOD = {str(t): 100.0 for t in GEMM[2]}
+OTHERS = {library: GOOD for library in GEMM[1][1:]}
 MALFORMED = {
-    "a string where figures belong": {"torch": "fast", "onednn": GOOD},
-    "a missing token key": {"torch": {str(GEMM[2][0]): 100.0}, "onednn": GOOD},
-    "NaN": {"torch": {**GOOD, str(GEMM[2][0]): math.nan}, "onednn": GOOD},
-    "negative": {"torch": GOOD, "onednn": {**GOOD, str(GEMM[2][0]): -5.0}},
-    "infinite": {"torch": GOOD, "onednn": {**GOOD, str(GEMM[2][0]): math.inf}},
-    "zero": {"torch": GOOD, "onednn": {**GOOD, str(GEMM[2][0]): 0}},
-    "a bool": {"torch": GOOD, "onednn": {**GOOD, str(GEMM[2][0]): True}},
-    "a token key that is not a number": {"torch": {**GOOD, "many": 1.0}, "onednn": GOOD},
+    "a string where figures belong": {"torch": "fast", **OTHERS},
+    "a missing token key": {"torch": {str(GEMM[2][0]): 100.0}, **OTHERS},
+    "NaN": {"torch": {**GOOD, str(GEMM[2][0]): math.nan}, **OTHERS},
+    "negative": {"torch": GOOD, **OTHERS, OTHER: {**GOOD, str(GEMM[2][0]): -5.0}},
+    "infinite": {"torch": GOOD, **OTHERS, OTHER: {**GOOD, str(GEMM[2][0]): math.inf}},
+    "zero": {"torch": GOOD, **OTHERS, OTHER: {**GOOD, str(GEMM[2][0]): 0}},
+    "a bool": {"torch": GOOD, **OTHERS, OTHER: {**GOOD, str(GEMM[2][0]): True}},
+    "a token key that is not a number": {"torch": {**GOOD, "many": 1.0}, **OTHERS},
     "a missing library": {"torch": GOOD},
     "a list instead of an entry": [1, 2, 3],
     "a busy marker without a time": {"busy_until": "soon"},
@@ -58,8 +60,8 @@ MALFORMED = {
 
 @pytest.mark.parametrize("what", list(MALFORMED))
 def test_a_malformed_entry_is_measured_again_rewritten_and_warned(empty_store, what, measurements_kept):
-    if cpu_gemm.unavailable_reasons(torch.float32):
-        pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
+    if len(GEMM[1]) < 2:
+        pytest.skip(NOTHING_MEASURED)
     key = cpu._key(GEMM[0])
     empty_store.write_text(json.dumps({key: MALFORMED[what], "another machine": _valid()}))
     with pytest.warns(RuntimeWarning, match=f"{empty_store}.*malformed entry"):
@@ -74,8 +76,8 @@ def test_a_malformed_entry_is_measured_again_rewritten_and_warned(empty_store, w
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
 def test_a_broken_file_is_rewritten(empty_store, content, measurements_kept):
-    if cpu_gemm.unavailable_reasons(torch.float32):
-        pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
+    if len(GEMM[1]) < 2:
+        pytest.skip(NOTHING_MEASURED)
     empty_store.write_text(content)
     with pytest.warns(RuntimeWarning, match=str(empty_store)):
         assert cpu.gemm_figures(torch.float32)["source"] == "measured"
@@ -102,8 +104,8 @@ def test_a_measurement_beside_busy_processes_is_not_kept(empty_store, monkeypatc
     """As many busy processes as CPUs: the measurement sees its threads did not get the CPU; the store keeps a busy
     marker (never the figures), every choice keeps its default while it lasts, and the next measurement after it
     expires, on a quiet machine (simulated, tests/machine_load.py), is kept."""
-    if cpu_gemm.unavailable_reasons(torch.float32):
-        pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
+    if len(GEMM[1]) < 2:
+        pytest.skip(NOTHING_MEASURED)
     monkeypatch.setattr(store, "BUSY_SECONDS", 1.0)
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(threads.affinity() + 1)]
     try:
@@ -116,7 +118,7 @@ def test_a_measurement_beside_busy_processes_is_not_kept(empty_store, monkeypatc
     assert "busy" in figures and "torch" not in figures, figures
     stored = json.loads(empty_store.read_text())[cpu._key(GEMM[0])]
     assert set(stored) == {"busy_until", "busy"}
-    assert "the machine was busy" in cpu.onednn_slower_reason(torch.float32)
+    assert "the machine was busy" in cpu.gemm_slower_reason(OTHER, torch.float32)
     assert dispatch.report(torch.device("cpu"), torch.float32)[0]["gemm"] == "torch"
     time.sleep(1.2)
     cpu._figures.clear()
@@ -152,8 +154,8 @@ def test_four_processes_starting_together_agree(tmp_path):
 
 
 def test_the_store_is_bounded(empty_store):
-    if cpu_gemm.unavailable_reasons(torch.float32):
-        pytest.skip("oneDNN's fp32 linear does not run here: nothing is measured")
+    if len(GEMM[1]) < 2:
+        pytest.skip(NOTHING_MEASURED)
     old = {f"machine {i}": {**_valid(), "measured_at": 1000.0 + i} for i in range(store.MAX_ENTRIES + 10)}
     empty_store.write_text(json.dumps(old))
     cpu.gemm_figures(torch.float32)

@@ -32,7 +32,7 @@ CONFIG_VERSION = 1
 # CPUs that sum u8 x s8 products in int32 (VNNI, AMX) multiply 8-bit weights exactly; the others saturate (module
 # docstring of linear.py) and get 7-bit weights.
 _INT32_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
-# Int8 replaces the fp32 GEMM only when at least this much faster at every measured size (as ONEDNN_MARGIN).
+# Int8 replaces the fp32 GEMM only when at least this much faster at every measured size (as cpu.GEMM_MARGIN).
 INT8_MARGIN = 1.1
 
 

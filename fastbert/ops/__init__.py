@@ -1,6 +1,6 @@
 """The ops of an encoder layer, one module each: what the model calls, and the backends each op declares.
 
-    gemm.py        linear: QKV stacked, dense + activation or residual in the epilogue  int8, onednn, torch
+    gemm.py        linear: QKV stacked, dense + activation or residual in the epilogue  int8, onednn, native, torch
     embedding.py   LayerNorm(word[ids] + position[pos] + token_type[tt])                cuda-ext, cpu-ext, triton, torch
     attention.py   softmax(q k^T / sqrt(d) + bias) v over each sequence's tokens        cpu-int8, cpu-ext, triton, torch
     attention_int8.py  its q k^T and p v in int8 (the cpu-int8 backend, quantized models)

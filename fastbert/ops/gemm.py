@@ -10,6 +10,8 @@ x: [tokens, in], W: [out, in]. Backends, fastest first:
           per call, per token or static, as the guard chose
   onednn  a plain Linear on the CPU, where oneDNN measured faster than torch's F.linear here (``cpu.gemm_figures``):
           the weight prepacked in oneDNN's layout (a derived cache), the epilogue inside the GEMM
+  native  a plain float32 Linear on the CPU, where fastbert's own GEMM (``native_gemm``) measured faster than F.linear
+          and oneDNN here: the weight prepacked in its panels (a derived cache), the bias or residual in its epilogue
   torch   F.linear on a plain Linear's weights (a stacked weight is a derived cache, concatenated per call when
           gradients need to reach the parameters); a module that is not plain is called; the epilogue in torch ops
           and HF's activation module. Always applies: what transformers runs, and cuBLAS on a GPU.
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu, cpu_gemm, derived, dispatch, run
+from .. import cpu, cpu_gemm, derived, dispatch, native_gemm, run
 from ..int8 import choices as int8, linear as int8_linear
 from ..dispatch import Backend, ByDesign, MeasuredChoice
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
@@ -120,26 +122,47 @@ def _int8_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None)
                                               choice.per_token, choice.static))
 
 
-def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Why plain Linears' GEMMs of this dtype do not run on oneDNN here (settings, build, measurement); [] if they do."""
+def _native_reasons(dtype: torch.dtype) -> list[str]:
+    if dtype != torch.float32:
+        return [f"fastbert's CPU GEMM runs float32, not {dtype}"]
+    return native_gemm.unavailable_reasons()
+
+
+# The CPU GEMM libraries beside F.linear (FASTBERT_CPU_GEMM's values): what they are called, why they cannot run.
+LIBRARIES = {"onednn": ("oneDNN", cpu_gemm.unavailable_reasons), "native": ("fastbert's CPU GEMM", _native_reasons)}
+
+
+def library_unavailable(library: str, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Why plain Linears' GEMMs of this dtype do not run on ``library`` (of ``LIBRARIES``) here (settings, build,
+    measurement); [] if they do."""
     requested = dispatch.settings().cpu_gemm
-    reasons = cpu_gemm.unavailable_reasons(dtype)
-    if requested == "onednn" and reasons:  # forced where it cannot run: said
-        return [f"{dispatch.ENV_CPU_GEMM}=onednn, but oneDNN cannot run {dtype} GEMMs here ({'; '.join(reasons)}): "
-                "torch's F.linear runs them"]
-    if requested == "torch" or reasons:  # (F.linear is what transformers runs: reported, not warned)
-        return [MeasuredChoice(f"{dispatch.ENV_CPU_GEMM}=torch")] if requested == "torch" else \
-            [MeasuredChoice(reason) for reason in reasons]
+    name, why_not = LIBRARIES[library]
+    reasons = why_not(dtype)
+    if requested == library and reasons:  # forced where it cannot run: said
+        return [f"{dispatch.ENV_CPU_GEMM}={library}, but {name} cannot run {dtype} GEMMs here "
+                f"({'; '.join(reasons)}): torch's F.linear runs them"]
+    if requested not in ("auto", library):  # (F.linear is what transformers runs: reported, not warned)
+        return [MeasuredChoice(f"{dispatch.ENV_CPU_GEMM}={requested}")]
+    if reasons:
+        return [MeasuredChoice(reason) for reason in reasons]
     if requested == "auto":
         try:
-            slower = cpu.onednn_slower_reason(dtype)
-        except RuntimeError as error:  # oneDNN refusing this CPU or dtype: keep F.linear, never fail the forward
-            return [MeasuredChoice(f"oneDNN linear failed here: {error}")]
+            slower = cpu.gemm_slower_reason(library, dtype)
+        except RuntimeError as error:  # a library refusing this CPU or dtype: keep F.linear, never fail the forward
+            return [MeasuredChoice(f"{name}'s linear failed here: {error}")]
         return [MeasuredChoice(slower)] if slower else []
     return []
 
 
-def _onednn_why_not(call: Call) -> list[str]:
+def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
+    return library_unavailable("onednn", device, dtype)
+
+
+def native_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
+    return library_unavailable("native", device, dtype)
+
+
+def _packed_why_not(call: Call) -> list[str]:
     if call.reference or not call.plain:
         return [ByDesign("the GEMM runs as transformers runs it (gradients, or a wrapped Linear)")]
     return [ByDesign(call.packed)] if call.packed else []
@@ -150,18 +173,23 @@ def _epilogue(call: Call, y: torch.Tensor) -> torch.Tensor:
     return y if call.act_fn is None or call.activation is not None else call.act_fn(y)
 
 
-def _onednn_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    owner = call.owner
-    if len(call.linears) == 1:
-        packed = derived.cached(owner, "onednn_weight", (owner.weight,), cpu_gemm.pack)
-        bias = owner.bias
-    else:
-        def build(*params):
-            weight, bias = stack(len(call.linears), *params)
-            return cpu_gemm.pack(weight), bias
+def _packed_run(library: str, pack, linear):
+    """The run of a backend whose GEMM reads its weight prepacked by ``pack`` (a derived cache named after
+    ``library``) and computes the bias and the activation or residual with ``linear``."""
 
-        packed, bias = derived.cached(owner, "onednn_stacked", parameters(call.linears), build)
-    return _epilogue(call, cpu_gemm.linear(x, packed, bias, call.activation, residual))
+    def run_gemm(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        owner = call.owner
+        if len(call.linears) == 1:
+            packed, bias = derived.cached(owner, f"{library}_weight", (owner.weight,), pack), owner.bias
+        else:
+            def build(*params):
+                weight, bias = stack(len(call.linears), *params)
+                return pack(weight), bias
+
+            packed, bias = derived.cached(owner, f"{library}_stacked", parameters(call.linears), build)
+        return _epilogue(call, linear(x, packed, bias, call.activation, residual))
+
+    return run_gemm
 
 
 @run.step
@@ -188,8 +216,8 @@ def _torch_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None
     else:
         # Training: the weights are about to change, possibly through buffers that alias them (ZeRO, FSDP) where no
         # version counter sees it: the inference caches go, and gradients reach the parameters through the cat.
-        derived.discard(call.owner, "stacked")
-        derived.discard(call.owner, "onednn_stacked")
+        for library in ("", *(f"{name}_" for name in LIBRARIES)):
+            derived.discard(call.owner, f"{library}stacked")
         y = F.linear(x, *stack(len(linears), *parameters(linears)))
     if residual is not None:
         y = y + residual
@@ -198,8 +226,10 @@ def _torch_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None
 
 BACKENDS = dispatch.register("gemm", [
     Backend("int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), opt_in=True, steps=True),
-    Backend("onednn", run=_onednn_run, unavailable=onednn_unavailable, why_not=_onednn_why_not, devices=("cpu",),
-            steps=True),
+    Backend("onednn", run=_packed_run("onednn", cpu_gemm.pack, cpu_gemm.linear), unavailable=onednn_unavailable,
+            why_not=_packed_why_not, devices=("cpu",), steps=True),
+    Backend("native", run=_packed_run("native", native_gemm.pack, native_gemm.linear), unavailable=native_unavailable,
+            why_not=_packed_why_not, devices=("cpu",), steps=True),
     # (steps in inference on plain Linears; a module it calls, or the ops of training, fail a replay's capture)
     Backend("torch", run=_torch_run, steps=True),
 ])
@@ -232,13 +262,13 @@ def stacked(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> torch.Tensor:
 
 
 def packed(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> bool:
-    """Whether the GEMM of ``linears`` (side by side) runs prepacked here (oneDNN or int8): then one GEMM on their
-    stacked weight is the fast way, where F.linear may prefer them one by one (``ops/glu.py``)."""
+    """Whether the GEMM of ``linears`` (side by side) runs prepacked here (oneDNN, native or int8): then one GEMM on
+    their stacked weight is the fast way, where F.linear may prefer them one by one (``ops/glu.py``)."""
     if len(linears) == 1:
         decision = decided(linears[0], ("gemm", False, False), _decide, x, linears, None, False)
     else:
         decision = decided(linears[0], "stacked gemm", _decide, x, linears, None, False)
-    return decision.backend.name in ("int8", "onednn")
+    return decision.backend.name in ("int8", "onednn", "native")
 
 
 def onednn_runs(device: torch.device, dtype: torch.dtype) -> bool:

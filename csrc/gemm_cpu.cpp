@@ -1,0 +1,168 @@
+// The CPU GEMM of gemm_cpu.h: AVX2 and FMA (by target attribute; the extension itself is built for the compiler's
+// baseline), 6 rows x 16 columns of accumulators per register tile: per input, 2 loads of the weight panel, 6
+// broadcasts of x, 12 FMAs, 12 of the 16 vector registers holding sums. A thread's task is up to 256 rows by up to
+// 4 panels, the whole input dimension in one sweep (a panel of 16 x 3072 floats stays in L2 across the rows).
+// Seen on an AMD EPYC Zen 3 (AVX2 only), 2 threads, bert-base's GEMMs at 128 rows: 135-155 GFLOP/s, where torch's
+// F.linear (MKL) ran 100-125.
+#include "gemm_cpu.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define FASTBERT_X86_GEMM 1
+#include <immintrin.h>
+#endif
+
+namespace fastbert {
+namespace {
+
+constexpr int kPanel = 16;         // columns per panel: 2 AVX2 vectors
+constexpr int kTileRows = 6;       // rows per register tile
+constexpr int64_t kPartial = 64;   // inputs summed from zero before joining an output's running sum
+constexpr int64_t kBlockRows = 256;
+constexpr int64_t kBlockPanels = 4;
+constexpr int64_t kFlopsPerThread = 1 << 18;  // below this a GEMM runs on one thread (a region costs ~2 us)
+
+#if defined(FASTBERT_X86_GEMM)
+#define AVX2 __attribute__((target("avx2,fma")))
+
+// Sums of R rows (R <= kTileRows) of x times one panel over inputs [0, in), plus bias, plus residual: stored to the
+// panel's `columns` (<= 16) columns of y.
+template <int R>
+AVX2 inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t in, const float* bias,
+                      const float* residual, float* y, int64_t out, int columns) {
+  float edge[kPanel] = {};  // a partial panel's bias or residual row, zero past its columns
+  __m256 sum[kTileRows][2];
+  if (bias != nullptr && columns < kPanel) std::memcpy(edge, bias, columns * sizeof(float));
+  const float* b = columns < kPanel ? edge : bias;
+  for (int r = 0; r < R; ++r) {
+    sum[r][0] = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();
+    sum[r][1] = b ? _mm256_loadu_ps(b + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t i0 = 0; i0 < in; i0 += kPartial) {
+    const int64_t i1 = std::min(in, i0 + kPartial);
+    // Named accumulators, not an array: GCC keeps an array indexed in a loop on the stack.
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float* xi = x + i0;
+    const float* w = panel + i0 * kPanel;
+#pragma GCC unroll 4
+    for (int64_t i = i0; i < i1; ++i, ++xi, w += kPanel) {
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+      __m256 v = _mm256_broadcast_ss(xi);
+      c00 = _mm256_fmadd_ps(v, w0, c00), c01 = _mm256_fmadd_ps(v, w1, c01);
+      if constexpr (R > 1) {
+        v = _mm256_broadcast_ss(xi + x_stride);
+        c10 = _mm256_fmadd_ps(v, w0, c10), c11 = _mm256_fmadd_ps(v, w1, c11);
+      }
+      if constexpr (R > 2) {
+        v = _mm256_broadcast_ss(xi + 2 * x_stride);
+        c20 = _mm256_fmadd_ps(v, w0, c20), c21 = _mm256_fmadd_ps(v, w1, c21);
+      }
+      if constexpr (R > 3) {
+        v = _mm256_broadcast_ss(xi + 3 * x_stride);
+        c30 = _mm256_fmadd_ps(v, w0, c30), c31 = _mm256_fmadd_ps(v, w1, c31);
+      }
+      if constexpr (R > 4) {
+        v = _mm256_broadcast_ss(xi + 4 * x_stride);
+        c40 = _mm256_fmadd_ps(v, w0, c40), c41 = _mm256_fmadd_ps(v, w1, c41);
+      }
+      if constexpr (R > 5) {
+        v = _mm256_broadcast_ss(xi + 5 * x_stride);
+        c50 = _mm256_fmadd_ps(v, w0, c50), c51 = _mm256_fmadd_ps(v, w1, c51);
+      }
+    }
+    const __m256 partial[kTileRows][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int r = 0; r < R; ++r) {
+      sum[r][0] = _mm256_add_ps(sum[r][0], partial[r][0]);
+      sum[r][1] = _mm256_add_ps(sum[r][1], partial[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 y0 = sum[r][0], y1 = sum[r][1];
+    const float* res = residual ? residual + r * out : nullptr;
+    if (columns == kPanel) {
+      if (res) y0 = _mm256_add_ps(y0, _mm256_loadu_ps(res)), y1 = _mm256_add_ps(y1, _mm256_loadu_ps(res + 8));
+      _mm256_storeu_ps(y + r * out, y0);
+      _mm256_storeu_ps(y + r * out + 8, y1);
+    } else {
+      if (res) {
+        std::memcpy(edge, res, columns * sizeof(float));
+        y0 = _mm256_add_ps(y0, _mm256_loadu_ps(edge)), y1 = _mm256_add_ps(y1, _mm256_loadu_ps(edge + 8));
+      }
+      _mm256_storeu_ps(edge, y0);
+      _mm256_storeu_ps(edge + 8, y1);
+      std::memcpy(y + r * out, edge, columns * sizeof(float));
+    }
+  }
+}
+
+// Rows [0, rows) of x times one panel, kTileRows at a time, the last rows by the tile of their count.
+AVX2 void panel_rows(const GemmCpuArgs& a, int64_t row0, int64_t rows, int64_t p) {
+  const int64_t column = p * kPanel;
+  const int columns = static_cast<int>(std::min<int64_t>(kPanel, a.out - column));
+  const float* panel = a.packed + p * a.in * kPanel;
+  const float* bias = a.bias ? a.bias + column : nullptr;
+  for (int64_t r = row0; r < row0 + rows; r += kTileRows) {
+    const float* x = a.x + r * a.x_stride;
+    const float* residual = a.residual ? a.residual + r * a.out + column : nullptr;
+    float* y = a.y + r * a.out + column;
+    switch (std::min<int64_t>(kTileRows, row0 + rows - r)) {
+      case 6: tile<6>(x, a.x_stride, panel, a.in, bias, residual, y, a.out, columns); break;
+      case 5: tile<5>(x, a.x_stride, panel, a.in, bias, residual, y, a.out, columns); break;
+      case 4: tile<4>(x, a.x_stride, panel, a.in, bias, residual, y, a.out, columns); break;
+      case 3: tile<3>(x, a.x_stride, panel, a.in, bias, residual, y, a.out, columns); break;
+      case 2: tile<2>(x, a.x_stride, panel, a.in, bias, residual, y, a.out, columns); break;
+      default: tile<1>(x, a.x_stride, panel, a.in, bias, residual, y, a.out, columns); break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool gemm_cpu_available() {
+#if defined(FASTBERT_X86_GEMM)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+void gemm_cpu(const GemmCpuArgs& a, int num_threads) {
+  if (!gemm_cpu_available()) throw std::runtime_error("fastbert's CPU GEMM needs an x86-64 CPU with AVX2 and FMA");
+#if defined(FASTBERT_X86_GEMM)
+  const int64_t panels = (a.out + kPanel - 1) / kPanel;
+  const int64_t row_blocks = (a.rows + kBlockRows - 1) / kBlockRows;
+#if defined(_OPENMP)
+  const int most = num_threads > 0 ? num_threads : omp_get_max_threads();
+#else
+  const int most = 1;
+  (void)num_threads;
+#endif
+  // Panels per task: up to kBlockPanels, fewer where that would leave under 4 tasks per thread.
+  const int64_t block_panels = std::clamp<int64_t>(row_blocks * panels / (4 * std::max(most, 1)), 1, kBlockPanels);
+  const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
+  const int64_t tasks = row_blocks * panel_blocks;
+  const int threads = 2 * a.rows * a.in * a.out < kFlopsPerThread ? 1 : static_cast<int>(std::min<int64_t>(most, tasks));
+  // Dynamic: a thread the OS deschedules (a busy machine) leaves its later tasks to the others.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t row0 = (task / panel_blocks) * kBlockRows, p0 = (task % panel_blocks) * block_panels;
+    const int64_t rows = std::min(kBlockRows, a.rows - row0);
+    for (int64_t p = p0; p < std::min(panels, p0 + block_panels); ++p) panel_rows(a, row0, rows, p);
+  }
+#else
+  (void)a, (void)num_threads;
+#endif
+}
+
+}  // namespace fastbert

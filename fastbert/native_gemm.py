@@ -1,0 +1,83 @@
+"""fastbert._C's float32 CPU GEMM (csrc/gemm_cpu.h): ``act(x @ W^T + b)`` or ``x @ W^T + b + residual`` on a weight
+prepacked once into column panels; the ``native`` backend of ``ops/gemm.py``.
+
+x: [tokens, in] float32, W: [out, in] (``pack``: [ceil(out / 16), in, 16] panels, a derived cache), b: [out] or None,
+residual: [tokens, out] -> [tokens, out].
+
+Why a GEMM of our own: on CPUs with AVX2 but not AVX-512, torch's F.linear (MKL's sgemm) reaches ~60 % of the FMA
+units' peak on bert-sized GEMMs of one sequence, and oneDNN's float32 is less exact there (``cpu_gemm``). Its register
+tiles of 6 rows x 16 columns reach 1.1-1.4x MKL at 128 rows on an AMD EPYC Zen 3 (2 threads), about what ONNX
+Runtime's own GEMM reaches. Whether it replaces F.linear is measured once per machine beside torch and oneDNN
+(``cpu.gemm_figures``): on CPUs with AVX-512 the libraries' wider kernels usually win.
+
+Numerics: float32 FMAs, each output summed 64 inputs at a time from zero and then added to its running sum, the
+bias first: its error against float64 stays within torch's (the tests check 2x on odd shapes). The bias and the
+residual are added in the kernel; an activation runs after it in torch ops (``activation_ref``, transformers' math).
+"""
+
+import functools
+
+import torch
+
+from . import _extension, run
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
+from .kernels.activation import activation_ref
+
+PANEL = 16  # output columns per panel (csrc/gemm_cpu.h)
+
+
+def unavailable_reasons() -> list[str]:
+    """Why the native GEMM cannot run here ([] when it can): a property of this build and CPU, found once."""
+    return list(_reasons())
+
+
+@functools.cache
+def _reasons() -> tuple[str, ...]:
+    return _extension.cpu_kernel_reasons("gemm_cpu", "fastbert's CPU GEMM", lambda C: C.gemm_cpu_available(),
+                                         "an x86-64 CPU with AVX2 and FMA")
+
+
+class PackedWeight:
+    """A weight [out, in] as the kernel reads it: ``panels`` [ceil(out / 16), in, 16] float32, zero past ``out``."""
+
+    __slots__ = ("panels", "out")
+
+    def __init__(self, panels: torch.Tensor, out: int):
+        self.panels, self.out = panels, out
+
+
+def pack(weight: torch.Tensor) -> PackedWeight:
+    """W [out, in] float32 -> its panels (``panels[p, i, j] = W[16 p + j, i]``), for any number of tokens."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a float32 CPU tensor [out, in], got {tuple(weight.shape)} {weight.dtype} "
+                         f"on {weight.device}")
+    out, in_features = weight.shape
+    count = -(-out // PANEL)
+    padded = weight.detach().new_zeros(count * PANEL, in_features)
+    padded[:out] = weight.detach()
+    return PackedWeight(padded.view(count, PANEL, in_features).transpose(1, 2).contiguous(), out)
+
+
+@run.step
+def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, activation: str | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x @ W^T + b), or x @ W^T + b + residual. A step of a CPU replay (``run.step``)."""
+    panels, out = packed.panels, packed.out
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != panels.shape[1]:
+        raise ValueError(f"x must be a float32 CPU tensor [tokens, {panels.shape[1]}], got {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out,) or bias.device.type != "cpu"):
+        raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and (residual.dtype != torch.float32 or residual.shape != (x.shape[0], out)
+                                 or residual.device.type != "cpu"):
+        raise ValueError(f"residual must be float32 [{x.shape[0]}, {out}] on the CPU, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.contiguous()
+    bias = None if bias is None else bias.detach().contiguous()
+    residual = None if residual is None else residual.contiguous()
+    y = torch.empty(x.shape[0], out)
+    _extension._C.gemm_cpu(x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                           0 if residual is None else residual.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], out,
+                           torch.get_num_threads())
+    return y if activation is None else activation_ref(y, activation)

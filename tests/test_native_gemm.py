@@ -1,0 +1,79 @@
+"""fastbert's own float32 CPU GEMM (fastbert/native_gemm.py, csrc/gemm_cpu.h) against its torch reference: odd shapes
+(rows 1-13 around its 6-row tiles, columns around its 16-column panels, inputs around its 64-input partial sums),
+each epilogue, strided inputs, empty ones, and bad input. The models with it forced: test_cpu_gemm.py."""
+
+import pytest
+import torch
+
+from fastbert import cpu_gemm, native_gemm
+
+
+@pytest.fixture(autouse=True)
+def runs_here():
+    reasons = native_gemm.unavailable_reasons()
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+
+SHAPES = [(1, 312, 26), (5, 26, 17), (6, 64, 16), (7, 65, 1), (13, 768, 312), (129, 768, 768), (37, 3072, 768),
+          (300, 96, 2304)]  # (rows, in, out)
+
+
+@pytest.mark.parametrize("rows, d_in, d_out", SHAPES)
+@pytest.mark.parametrize("epilogue", [None, "bias", "gelu", "gelu_new", "relu", "residual"])
+def test_linear_matches_reference(rows, d_in, d_out, epilogue):
+    """Error against float64 at most twice torch's own (F.linear + torch ops) plus 1e-6, and within 1e-5 of torch."""
+    generator = torch.Generator().manual_seed(rows + d_in + d_out)
+    x, weight = torch.randn(rows, d_in, generator=generator), torch.randn(d_out, d_in, generator=generator)
+    weight, bias = weight * d_in ** -0.5, torch.randn(d_out, generator=generator)
+    bias = None if epilogue is None else bias
+    residual = torch.randn(rows, d_out, generator=generator) if epilogue == "residual" else None
+    activation = None if epilogue in (None, "bias", "residual") else epilogue
+    ref = cpu_gemm.linear_ref(x.double(), weight.double(), None if bias is None else bias.double(), activation,
+                              None if residual is None else residual.double())
+    with torch.inference_mode():
+        out = native_gemm.linear(x, native_gemm.pack(weight), bias, activation, residual)
+        out_torch = cpu_gemm.linear_ref(x, weight, bias, activation, residual)
+    assert out.dtype == torch.float32 and out.shape == (rows, d_out)
+    err, err_torch = ((o.double() - ref).abs().max().item() for o in (out, out_torch))
+    assert err <= 2 * err_torch + 1e-6, (err, err_torch)
+    torch.testing.assert_close(out, out_torch, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_and_empty_inputs():
+    """Rows of a wider tensor (a row stride past ``in``) and column slices read as torch reads them; no rows, or no
+    inputs (the bias alone), as F.linear gives them."""
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
+    packed = native_gemm.pack(weight)
+    wide = torch.randn(9, 30, generator=generator)
+    for x in (wide[:, :24], wide[:, 3:27], wide[::2, :24], torch.randn(24, 9, generator=generator).t()):
+        torch.testing.assert_close(native_gemm.linear(x, packed, bias), torch.nn.functional.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+    assert native_gemm.linear(torch.empty(0, 24), packed, bias).shape == (0, 40)
+    no_inputs = native_gemm.pack(torch.empty(40, 0))
+    torch.testing.assert_close(native_gemm.linear(torch.empty(3, 0), no_inputs, bias), bias.expand(3, 40))
+
+
+def test_non_finite_inputs_propagate():
+    weight = torch.randn(17, 8)
+    x = torch.randn(7, 8)
+    x[2, 3], x[5, 0] = float("nan"), float("inf")
+    out, ref = native_gemm.linear(x, native_gemm.pack(weight), None), torch.nn.functional.linear(x, weight)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+
+
+def test_bad_input_names_the_argument():
+    packed = native_gemm.pack(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="weight must be"):
+        native_gemm.pack(torch.randn(8, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x must be"):
+        native_gemm.linear(torch.randn(2, 3, 4), packed, None)
+    with pytest.raises(ValueError, match="x must be"):
+        native_gemm.linear(torch.randn(2, 5), packed, None)
+    with pytest.raises(ValueError, match="x must be"):
+        native_gemm.linear(torch.randn(2, 4, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(ValueError, match="bias must be"):
+        native_gemm.linear(torch.randn(2, 4), packed, torch.randn(7))
+    with pytest.raises(ValueError, match="residual must be"):
+        native_gemm.linear(torch.randn(2, 4), packed, None, residual=torch.randn(3, 8))
