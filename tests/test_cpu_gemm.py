@@ -219,6 +219,25 @@ def test_info_reports_the_measurement_and_the_cpu(fastbert_env, monkeypatch, tmp
     assert info["cpu"]["native_bf16"] == (info["cpu"]["flags"]["avx512_bf16"] or info["cpu"]["flags"]["amx_bf16"])
 
 
+@pytest.mark.parametrize("onednn_gflops, native_gflops, chosen", [
+    ((140, 102), (110, 100), "onednn"),  # 1.4x and 1.02x torch's: over 1.05x in the mean, nowhere slower
+    ((118, 94), (110, 100), "torch"),  # 1.05x in the mean but 6 % slower at 1,024 tokens; native 1.049x in the mean
+    ((120, 140), (160, 150), "native"),  # both pass: the larger mean speed-up
+    ((104, 106), (100, 100), "torch"),  # 1.04x and 1.06x: under 1.05x in the mean
+])
+def test_the_gemm_library_rule(monkeypatch, onednn_gflops, native_gflops, chosen):
+    """A library replaces F.linear where it is GEMM_MARGIN faster over the measured sizes (geometric mean) and nowhere
+    more than that slower; of two that are, the larger speed-up. Figures set by hand, torch's 100 GFLOP/s at both
+    sizes."""
+    tokens = cpu.GEMM_TOKENS
+    figures = {"torch": dict.fromkeys(tokens, 100.0), "onednn": dict(zip(tokens, map(float, onednn_gflops))),
+               "native": dict(zip(tokens, map(float, native_gflops))), "source": "set by the test"}
+    monkeypatch.setattr(cpu, "gemm_libraries", lambda dtype: ("torch", "onednn", "native"))
+    monkeypatch.setattr(cpu, "_figures", {torch.float32: figures})
+    reasons = {lib: cpu.gemm_slower_reason(lib, torch.float32) for lib in ("onednn", "native")}
+    assert [lib for lib, why in reasons.items() if why is None] == ([] if chosen == "torch" else [chosen]), reasons
+
+
 def test_gemm_choice_is_the_same_in_every_process(tmp_path):
     """The auto choice is measured once per machine and read back by later processes: two processes on one machine
     run the same GEMM library (the same low-order bits), whatever the timing noise of the second would say. The first
