@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: no pool wake-ups)")
-    p.add_argument("--gemm", default="torch", choices=("torch", "auto", "onednn"),
+    p.add_argument("--gemm", default="torch", choices=("torch", "auto", "onednn", "native"),
                    help="fastbert's CPU GEMM library, FASTBERT_CPU_GEMM (default torch: F.linear, as on a GPU)")
     p.add_argument("--profile", action="store_true", help="cProfile fastbert's bert-base forward")
     p.add_argument("--precisions", default="fp32", help="comma list of fp32, bf16, int8 (int8: fastbert's GEMMs "

@@ -145,8 +145,14 @@ def int8_figures(bits: int) -> dict:
     """Effective GFLOP/s of the fp32 GEMMs (torch, oneDNN where it runs) and of the int8 linear with ``bits``-bit
     weights, activation quantization included, measured once per machine (~2 s)."""
     libraries = gemm_libraries(torch.float32) + ("int8",)
-    return _measured(("int8", bits), f"{torch.float32} int8 w{bits}", libraries, INT8_TOKENS,
+    return _measured(("int8", bits), int8_measurement(bits), libraries, INT8_TOKENS,
                      lambda: _measure_int8(bits, libraries))
+
+
+def int8_measurement(bits: int) -> str:
+    """The name of the int8 measurement in the store's key: the float32 libraries it is timed against, so that a
+    machine that measured against others measures again (rather than warn of an entry that lacks one)."""
+    return f"{torch.float32} int8 w{bits} against {' '.join(gemm_libraries(torch.float32))}"
 
 
 def int8_figures_so_far() -> dict:

@@ -88,8 +88,8 @@ def test_forwards_info_and_quantize_survive_a_malformed_store(empty_store, bert_
     """What broke every process before: a well-formed JSON entry of the wrong type for each measurement."""
     key = cpu._key
     empty_store.write_text(json.dumps({key(GEMM[0]): {"torch": "x"}, key(cpu.ATTENTION_MEASUREMENT): [],
-                                       key(f"{torch.float32} int8 w8"): {"int8": None},
-                                       key(f"{torch.float32} int8 w7"): 3}))
+                                       key(cpu.int8_measurement(8)): {"int8": None},
+                                       key(cpu.int8_measurement(7)): 3}))
     model = bert_trio().fast
     with pytest.warns(RuntimeWarning, match="malformed entry"):
         with torch.inference_mode():

@@ -9,11 +9,11 @@ x [tokens, hidden] -> [tokens, intermediate]. Reference: ``kernels/glu.py``'s ``
 
   triton  one GEMM on the stacked weight [up; gate] (a derived cache), or on Wi without its bias, then the act-and-mul
           kernel (which adds the bias)
-  torch   one GEMM where the GEMM op runs it prepacked (oneDNN, int8: ``gemm.packed``), then HF's activation module on
-          one half times the other; otherwise two GEMMs with contiguous outputs, as transformers runs them (on a CPU
-          the activation of a contiguous half runs vectorized, of a strided one 3x slower for SiLU on Zen 4, and MKL
-          ran [I, hidden] twice faster than [2I, hidden] once: 52.7 vs 55.8 ms at 1024 x 768 -> 3072, 2 threads);
-          a wrapped Linear is called
+  torch   one GEMM where the GEMM op runs it prepacked (oneDNN, native, int8: ``gemm.packed``), then HF's activation
+          module on one half times the other; otherwise two GEMMs with contiguous outputs, as transformers runs them
+          (on a CPU the activation of a contiguous half runs vectorized, of a strided one 3x slower for SiLU on Zen 4,
+          and MKL ran [I, hidden] twice faster than [2I, hidden] once: 52.7 vs 55.8 ms at 1024 x 768 -> 3072, 2
+          threads); a wrapped Linear is called
 """
 
 import dataclasses
