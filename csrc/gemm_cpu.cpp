@@ -56,28 +56,15 @@ AVX2 inline void tile(const float* x, int64_t x_stride, const float* panel, int6
 #pragma GCC unroll 4
     for (int64_t i = i0; i < i1; ++i, ++xi, w += kPanel) {
       const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-      __m256 v = _mm256_broadcast_ss(xi);
-      c00 = _mm256_fmadd_ps(v, w0, c00), c01 = _mm256_fmadd_ps(v, w1, c01);
-      if constexpr (R > 1) {
-        v = _mm256_broadcast_ss(xi + x_stride);
-        c10 = _mm256_fmadd_ps(v, w0, c10), c11 = _mm256_fmadd_ps(v, w1, c11);
-      }
-      if constexpr (R > 2) {
-        v = _mm256_broadcast_ss(xi + 2 * x_stride);
-        c20 = _mm256_fmadd_ps(v, w0, c20), c21 = _mm256_fmadd_ps(v, w1, c21);
-      }
-      if constexpr (R > 3) {
-        v = _mm256_broadcast_ss(xi + 3 * x_stride);
-        c30 = _mm256_fmadd_ps(v, w0, c30), c31 = _mm256_fmadd_ps(v, w1, c31);
-      }
-      if constexpr (R > 4) {
-        v = _mm256_broadcast_ss(xi + 4 * x_stride);
-        c40 = _mm256_fmadd_ps(v, w0, c40), c41 = _mm256_fmadd_ps(v, w1, c41);
-      }
-      if constexpr (R > 5) {
-        v = _mm256_broadcast_ss(xi + 5 * x_stride);
-        c50 = _mm256_fmadd_ps(v, w0, c50), c51 = _mm256_fmadd_ps(v, w1, c51);
-      }
+      // Row r of the tile (when the tile has it): one broadcast of x, two FMAs.
+#define FASTBERT_GEMM_ROW(r)                                                                      \
+  if constexpr (R > r) {                                                                          \
+    const __m256 v = _mm256_broadcast_ss(xi + r * x_stride);                                      \
+    c##r##0 = _mm256_fmadd_ps(v, w0, c##r##0), c##r##1 = _mm256_fmadd_ps(v, w1, c##r##1);        \
+  }
+      FASTBERT_GEMM_ROW(0) FASTBERT_GEMM_ROW(1) FASTBERT_GEMM_ROW(2)
+      FASTBERT_GEMM_ROW(3) FASTBERT_GEMM_ROW(4) FASTBERT_GEMM_ROW(5)
+#undef FASTBERT_GEMM_ROW
     }
     const __m256 partial[kTileRows][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     for (int r = 0; r < R; ++r) {
