@@ -139,7 +139,8 @@ void gemm_cpu(const GemmCpuArgs& a, int num_threads) {
   const int64_t block_panels = std::clamp<int64_t>(row_blocks * panels / (4 * std::max(most, 1)), 1, kBlockPanels);
   const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
   const int64_t tasks = row_blocks * panel_blocks;
-  const int threads = 2 * a.rows * a.in * a.out < kFlopsPerThread ? 1 : static_cast<int>(std::min<int64_t>(most, tasks));
+  const int threads =
+      2 * a.rows * a.in * a.out < kFlopsPerThread ? 1 : static_cast<int>(std::min<int64_t>(most, tasks));
   // Dynamic: a thread the OS deschedules (a busy machine) leaves its later tasks to the others.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t task = 0; task < tasks; ++task) {

@@ -124,9 +124,11 @@ def gemm_figures(dtype: torch.dtype) -> dict:
 
 
 def gemm_measurement(dtype: torch.dtype) -> str:
-    """The name of the GEMM measurement in ``dtype`` in the store's key: its shapes, so that a machine that measured
-    other shapes measures again."""
-    return f"{dtype} gemm {' '.join(f'{n_in}x{n_out}' for n_in, n_out in GEMM_SHAPES)}"
+    """The name of the GEMM measurement in ``dtype`` in the store's key: its shapes and libraries, so that a machine
+    that measured other shapes or libraries (another build of fastbert sharing the store) measures again rather than
+    warn of an entry that lacks one."""
+    shapes = " ".join(f"{n_in}x{n_out}" for n_in, n_out in GEMM_SHAPES)
+    return f"{dtype} gemm {shapes} of {' '.join(gemm_libraries(dtype))}"
 
 
 def gemm_figures_so_far() -> dict[torch.dtype, dict]:
@@ -142,7 +144,7 @@ def attention_figures_so_far() -> dict[str, dict]:
 
 
 def int8_figures(bits: int) -> dict:
-    """Effective GFLOP/s of the fp32 GEMMs (torch, oneDNN where it runs) and of the int8 linear with ``bits``-bit
+    """Effective GFLOP/s of the fp32 GEMM libraries (``gemm_libraries``) and of the int8 linear with ``bits``-bit
     weights, activation quantization included, measured once per machine (~2 s)."""
     libraries = gemm_libraries(torch.float32) + ("int8",)
     return _measured(("int8", bits), int8_measurement(bits), libraries, INT8_TOKENS,
@@ -184,8 +186,10 @@ def gemm_slower_reason(library: str, dtype: torch.dtype) -> str | None:
     if "busy" in figures:
         return f"not measured yet: the machine was busy when fastbert tried ({figures['busy']})"
     name = str(dtype).removeprefix("torch.")
+    if library not in figures:  # (oneDNN enabled after this process measured without it)
+        return f"not measured in this process: it could not run {name} GEMMs when fastbert measured here"
     speedups = {lib: [figures[lib][t] / figures["torch"][t] for t in figures["torch"]]
-                for lib in gemm_libraries(dtype) if lib != "torch"}
+                for lib in figures if lib not in ("torch", "source")}
     mean = {lib: statistics.geometric_mean(ratios) for lib, ratios in speedups.items()}
     passing = [lib for lib, ratios in speedups.items() if mean[lib] >= GEMM_MARGIN and min(ratios) >= 1 / GEMM_MARGIN]
     measured = ", ".join(f"{figures[library][t]} vs {g} GFLOP/s at {t} tokens" for t, g in figures["torch"].items())

@@ -1,5 +1,5 @@
-"""Tensors derived from parameters (the stacked QKV weight, oneDNN's packed weights), cached beside them and never
-written into them.
+"""Tensors derived from parameters (the stacked QKV weight, the CPU GEMMs' packed weights), cached beside them and
+never written into them.
 
 A forward must not touch parameters: optimizers with flat buffers (ZeRO, FSDP) re-point ``param.data``, other threads
 read them, ``torch.func`` swaps them, ``.to()``/``.half()`` replace them. So a derived tensor is built aside and

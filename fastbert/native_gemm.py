@@ -43,6 +43,10 @@ class PackedWeight:
     __slots__ = ("panels", "out")
 
     def __init__(self, panels: torch.Tensor, out: int):
+        if (panels.dtype != torch.float32 or panels.device.type != "cpu" or panels.dim() != 3
+                or panels.shape[0] != -(-out // PANEL) or panels.shape[2] != PANEL or not panels.is_contiguous()):
+            raise ValueError(f"panels must be a contiguous float32 CPU tensor [ceil(out / {PANEL}), in, {PANEL}] "
+                             f"for out={out}, got {tuple(panels.shape)} {panels.dtype} on {panels.device}")
         self.panels, self.out = panels, out
 
 
@@ -67,17 +71,20 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, act
         raise ValueError(f"x must be a float32 CPU tensor [tokens, {panels.shape[1]}], got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out,) or bias.device.type != "cpu"):
-        raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype}")
+        raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype} on "
+                         f"{bias.device}")
     if residual is not None and (residual.dtype != torch.float32 or residual.shape != (x.shape[0], out)
                                  or residual.device.type != "cpu"):
         raise ValueError(f"residual must be float32 [{x.shape[0]}, {out}] on the CPU, got {tuple(residual.shape)} "
-                         f"{residual.dtype}")
-    if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+                         f"{residual.dtype} on {residual.device}")
+    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
         x = x.contiguous()
+    # (one row: torch calls it contiguous whatever its row stride, which the kernel never reads)
+    x_stride = x.stride(0) if x.shape[0] > 1 else x.shape[1]
     bias = None if bias is None else bias.detach().contiguous()
     residual = None if residual is None else residual.contiguous()
-    y = torch.empty(x.shape[0], out)
-    _extension._C.gemm_cpu(x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+    y = x.new_empty((x.shape[0], out))
+    _extension._C.gemm_cpu(x.data_ptr(), x_stride, panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
                            0 if residual is None else residual.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], out,
                            torch.get_num_threads())
     return y if activation is None else activation_ref(y, activation)

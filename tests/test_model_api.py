@@ -369,6 +369,7 @@ def test_info_command(tmp_path):
     another moment."""
     result = subprocess.run([sys.executable, "-m", "fastbert.info", "--json"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
     assert INFO_KEYS <= printed.keys() and printed["backends"].keys() == fastbert.info()["backends"].keys()
     result = subprocess.run([sys.executable, "-m", "fastbert.info"], cwd=tmp_path, capture_output=True, text=True,

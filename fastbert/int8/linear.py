@@ -94,11 +94,11 @@ def _scratch_like(x: torch.Tensor) -> torch.Tensor:
     """An uninitialized float32 tensor of x's shape: this thread's scratch memory where it fits."""
     numel = x.numel()
     if numel * 4 > SCRATCH_BYTES:
-        return torch.empty(x.shape)
+        return torch.empty(x.shape, dtype=torch.float32, device="cpu")
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < numel:
         with torch.inference_mode(False):  # (a normal tensor: usable as out= in and outside inference mode)
-            buffer = _scratch.buffer = torch.empty(numel)
+            buffer = _scratch.buffer = torch.empty(numel, dtype=torch.float32, device="cpu")
     return buffer[:numel].view(x.shape)
 
 
@@ -135,7 +135,7 @@ def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None,
             raise ValueError(f"rows indexes outside x's {x.shape[0]} rows")
     elif not 0 <= rows <= x.shape[0]:
         raise ValueError(f"rows must be in [0, {x.shape[0]}], got {rows}")
-    out = torch.empty(x.shape, dtype=torch.uint8)
+    out = torch.empty(x.shape, dtype=torch.uint8, device="cpu")
     scale, zero_point = _extension._C.quantize_per_call_cpu(
         x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], 0 if smooth is None else smooth.data_ptr(),
         0 if index is None else index.data_ptr(), rows if index is None else index.numel(), torch.get_num_threads(),
@@ -151,7 +151,7 @@ def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torc
     x, smooth = _quantize_inputs(x, smooth, isa)  # (the kernel checks scale and zero point as check_static does)
     if quantize_cpu_unavailable_reasons():
         return quantize_static_ref(x, scale, zero_point, smooth)
-    out = torch.empty(x.shape, dtype=torch.uint8)
+    out = torch.empty(x.shape, dtype=torch.uint8, device="cpu")
     _extension._C.quantize_static_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                                       0 if smooth is None else smooth.data_ptr(), scale, zero_point,
                                       torch.get_num_threads(), isa)
@@ -161,8 +161,8 @@ def quantize_static(x: torch.Tensor, scale: float, zero_point: int, smooth: torc
 def quantize_per_token(x: torch.Tensor, smooth: torch.Tensor | None = None, isa: str = ""):
     """x [tokens, in] float32 -> (u8 [tokens, in], scales [tokens, 1]): a symmetric scale per row, in one pass."""
     x, smooth = _quantize_inputs(x, smooth, isa)
-    out = torch.empty(x.shape, dtype=torch.uint8)
-    scales = torch.empty(x.shape[0], 1)
+    out = torch.empty(x.shape, dtype=torch.uint8, device="cpu")
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32, device="cpu")
     _extension._C.quantize_per_token_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                                          0 if smooth is None else smooth.data_ptr(), scales.data_ptr(),
                                          torch.get_num_threads(), isa)

@@ -58,8 +58,9 @@ class Call:
 
 def why_not_packed(x: torch.Tensor, weights: tuple) -> str | None:
     """Why a CPU GEMM of ``x`` with ``weights`` cannot run on weights prepacked beside their parameters (oneDNN's
-    fp32 packing, int8), or None: compiled and exported graphs, autocast (it would not reach the packed op) and
-    torch.func transforms keep F.linear, and a weight that is not the module's parameter has no cache."""
+    or the native GEMM's packing, int8), or None: compiled and exported graphs, autocast (it would not reach the
+    packed op) and torch.func transforms keep F.linear, and a weight that is not the module's parameter has no
+    cache."""
     if torch.compiler.is_compiling() or dispatch.exporting():
         return "compiled and exported graphs keep F.linear"
     if torch.is_autocast_enabled("cpu") or torch._C._functorch.is_functorch_wrapped_tensor(x):
@@ -258,7 +259,6 @@ def stacked(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> torch.Tensor:
     """[tokens, in] -> [tokens, sum of outputs]: ``linears`` (reading the same input) side by side, one GEMM where
     they are plain and all have a bias or none does, each called otherwise."""
     return decided(linears[0], "stacked gemm", _decide, x, linears, None, False)(x)
-
 
 
 def packed(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> bool:
