@@ -111,8 +111,8 @@ def _timed(measure, count: int) -> tuple[dict, str | None]:
 def gemm_libraries(dtype: torch.dtype) -> tuple[str, ...]:
     """The GEMM libraries that can run ``dtype`` here: torch's F.linear always, oneDNN's packed linear where it runs
     (``cpu_gemm``), fastbert's native GEMM for float32 where it runs (``native_gemm``)."""
-    native = dtype == torch.float32 and not native_gemm.unavailable_reasons()
-    return ("torch",) + ("onednn",) * (not cpu_gemm.unavailable_reasons(dtype)) + ("native",) * native
+    return ("torch",) + tuple(name for name, library in (("onednn", cpu_gemm), ("native", native_gemm))
+                              if not library.unavailable_reasons(dtype))
 
 
 def gemm_figures(dtype: torch.dtype) -> dict:

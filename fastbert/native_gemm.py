@@ -26,8 +26,11 @@ from .kernels.activation import activation_ref
 PANEL = 16  # output columns per panel (csrc/gemm_cpu.h)
 
 
-def unavailable_reasons() -> list[str]:
-    """Why the native GEMM cannot run here ([] when it can): a property of this build and CPU, found once."""
+def unavailable_reasons(dtype: torch.dtype = torch.float32) -> list[str]:
+    """Why the native GEMM cannot run ``dtype`` GEMMs here ([] when it can): float32 only, on this build and CPU
+    (found once); as ``cpu_gemm.unavailable_reasons``."""
+    if dtype != torch.float32:
+        return [f"fastbert's CPU GEMM runs float32, not {dtype}"]
     return list(_reasons())
 
 

@@ -123,14 +123,9 @@ def _int8_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None)
                                               choice.per_token, choice.static))
 
 
-def _native_reasons(dtype: torch.dtype) -> list[str]:
-    if dtype != torch.float32:
-        return [f"fastbert's CPU GEMM runs float32, not {dtype}"]
-    return native_gemm.unavailable_reasons()
-
-
 # The CPU GEMM libraries beside F.linear (FASTBERT_CPU_GEMM's values): what they are called, why they cannot run.
-LIBRARIES = {"onednn": ("oneDNN", cpu_gemm.unavailable_reasons), "native": ("fastbert's CPU GEMM", _native_reasons)}
+LIBRARIES = {"onednn": ("oneDNN", cpu_gemm.unavailable_reasons),
+             "native": ("fastbert's CPU GEMM", native_gemm.unavailable_reasons)}
 
 
 def library_unavailable(library: str, device: torch.device, dtype: torch.dtype) -> list[str]:
