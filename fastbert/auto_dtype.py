@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from . import announce, cpu, cpu_gemm
+from . import announce, cpu, cpu_gemm, threads
 from .int8.guard_inputs import batches_of, usable_texts
 
 MEAN_COSINE = 0.9999
@@ -69,9 +69,10 @@ def choose(model: torch.nn.Module, tokenizer, name: str) -> tuple[torch.nn.Modul
         return model, _said(name, "float32", f"the bf16 guard cannot judge this model: {error}")
     encoder = getattr(model, "base_model", model)
     batches = batches_of(tokenizer, texts, [encoder])
-    reference = _pooled(encoder, batches)
+    # (in a short-lived thread: one-time work leaves the caller's thread without an OpenMP pool, ``threads.py``)
+    reference = threads.in_own_thread(_pooled, encoder, batches)
     candidate = copy.deepcopy(model).to(torch.bfloat16)
-    pooled = _pooled(getattr(candidate, "base_model", candidate), batches)
+    pooled = threads.in_own_thread(_pooled, getattr(candidate, "base_model", candidate), batches)
     cosines = torch.nn.functional.cosine_similarity(pooled, reference, dim=-1)
     mean, worst = float(cosines.mean()), float(cosines.min())
     figures = f"cosine to float32 on {len(cosines)} sentences: mean {mean:.6f}, worst {worst:.6f}"

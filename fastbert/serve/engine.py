@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from .. import threads
 from ..int8.guard_inputs import usable_texts
 from ..sentence import Sentence, pool_packed
 from . import formats, heads
@@ -91,7 +92,9 @@ class Embeddings(Engine):
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         if not isinstance(calibration, np.ndarray):
             texts = usable_texts(tokenizer, None)[0] if calibration is None else calibration
-            calibration = self.run(self.tokenize(texts, truncate=True))
+            # (in a short-lived thread, as fastbert's one-time work runs: an OpenMP pool left in this thread would
+            # make the model instances' pools sleep at every barrier, ``threads.py``)
+            calibration = threads.in_own_thread(self.run, self.tokenize(texts, truncate=True))
         self.calibration = formats.Calibration(calibration, self.dim)
 
     def tokenize(self, texts: list[str], truncate: bool, first: int = 0, field: str = "input",
