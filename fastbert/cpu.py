@@ -136,11 +136,17 @@ def gemm_figures_so_far() -> dict[torch.dtype, dict]:
         return {what: figures for what, figures in _figures.items() if isinstance(what, torch.dtype)}
 
 
-def attention_figures_so_far() -> dict[str, dict]:
-    """{dtype name: the attention figures measured (or read) so far in that dtype}."""
+def attention_measured() -> set[tuple]:
+    """The ("attention", dtype, head dim) choices measured (or read) so far in this process."""
     with _lock:
-        return {str(what[1]).removeprefix("torch."): figures for what, figures in _figures.items()
-                if isinstance(what, tuple) and what[0] == "attention"}
+        return {what for what in _figures if isinstance(what, tuple) and what[0] == "attention"}
+
+
+def attention_figures_so_far() -> dict[str, dict]:
+    """{"<dtype name>, head_dim <d>": the attention figures measured (or read) so far at that dtype and head dim}."""
+    with _lock:
+        return {f"{str(what[1]).removeprefix('torch.')}, head_dim {what[2]}": figures
+                for what, figures in _figures.items() if isinstance(what, tuple) and what[0] == "attention"}
 
 
 def int8_figures(bits: int) -> dict:
@@ -203,23 +209,25 @@ def gemm_slower_reason(library: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def attention_figures(kernel, dtype: torch.dtype = torch.float32) -> dict:
+def attention_figures(kernel, dtype: torch.dtype = torch.float32, head_dim: int = 64) -> dict:
     """GFLOP/s of torch's SDPA and of the C++ CPU attention ``kernel`` (``ops.attention_cpu.attention_cpu``) in
-    ``dtype`` at ``ATTENTION_SEQUENCES``, measured once per machine (~0.3 s), then read back."""
-    return _measured(("attention", dtype), attention_measurement(dtype), ("torch", "cpu-ext"),
-                     tuple(ATTENTION_SEQUENCES), lambda: _measure_attention(kernel, dtype))
+    ``dtype`` with heads of ``head_dim`` at ``ATTENTION_SEQUENCES``, measured once per machine (~0.3 s), then read
+    back."""
+    return _measured(("attention", dtype, head_dim), attention_measurement(dtype, head_dim), ("torch", "cpu-ext"),
+                     tuple(ATTENTION_SEQUENCES), lambda: _measure_attention(kernel, dtype, head_dim))
 
 
-def attention_slower_reason(kernel, dtype: torch.dtype = torch.float32) -> str | None:
-    """Why the C++ CPU attention ``kernel`` does not replace torch's SDPA here in ``dtype`` (slower at some measured
-    size, or not measured yet because the machine was busy), or None."""
-    figures = attention_figures(kernel, dtype)
+def attention_slower_reason(kernel, dtype: torch.dtype = torch.float32, head_dim: int = 64) -> str | None:
+    """Why the C++ CPU attention ``kernel`` does not replace torch's SDPA here in ``dtype`` with heads of ``head_dim``
+    (slower at some measured size, or not measured yet because the machine was busy), or None."""
+    figures = attention_figures(kernel, dtype, head_dim)
     if "busy" in figures:
         return f"not measured yet: the machine was busy when fastbert tried ({figures['busy']})"
     for tokens, torch_gflops in figures["torch"].items():
         if figures["cpu-ext"][tokens] < torch_gflops:
-            return (f"slower than torch's SDPA on this CPU at {tokens} tokens ({figures['cpu-ext'][tokens]} vs "
-                    f"{torch_gflops} GFLOP/s, {str(dtype).removeprefix('torch.')})")
+            count, length = len(ATTENTION_SEQUENCES[tokens]), ATTENTION_SEQUENCES[tokens][0]
+            return (f"slower than torch's SDPA on this CPU at {count} x {length} tokens ({figures['cpu-ext'][tokens]} "
+                    f"vs {torch_gflops} GFLOP/s, {str(dtype).removeprefix('torch.')}, head_dim {head_dim})")
     return None
 
 
@@ -312,32 +320,35 @@ def _measure_int8(bits: int, libraries: tuple[str, ...]) -> dict[str, dict[int, 
     return figures
 
 
-# Sequences both CPU attentions are timed on: a batch of 8 x 128 tokens and one of 512 (bert-base's 12 heads of 64).
-# The kernel replaces torch's SDPA only where it is faster at both: measured on Zen 4 it is at every length; its AVX2
-# build, timed there against SDPA's AVX-512 one, wins at 128 tokens, not at 512; on an Intel Xeon (Sapphire Rapids
-# class) SDPA wins at both.
-ATTENTION_SEQUENCES = {128: [128] * 8, 512: [512]}
-# Part of the stored measurement's key: a machine that measured an older C++ attention measures this one again
-# rather than keep an older kernel's verdict.
-ATTENTION_KERNEL_REVISION = 2
+# Sequences both CPU attentions are timed on (12 heads of the model's head dim): 16 short sentences of 32 tokens (a
+# server's or the Embedder's batches), 8 x 128 tokens and one of 512. The kernel replaces torch's SDPA only where it
+# is faster at all three, for that dtype and head dim: measured on Zen 4 it is at every length; its AVX2 build, timed
+# there against SDPA's AVX-512 one, wins at 128 tokens, not at 512; on an Intel Xeon (Sapphire Rapids class) SDPA wins
+# at both; on an AVX2-only Zen 3 it is 1.2-2.0x SDPA with heads of 32 (MiniLM's) at every length, and with heads of
+# 64 1.5x at 16 x 40 tokens but 0.97x at 8 x 128 and 0.83x at 512.
+ATTENTION_SEQUENCES = {32: [32] * 16, 128: [128] * 8, 512: [512]}
+# Part of the stored measurement's key: a machine that measured an older C++ attention (or other sequences) measures
+# this one again rather than keep an older kernel's verdict.
+ATTENTION_KERNEL_REVISION = 3
 
 
-def attention_measurement(dtype: torch.dtype) -> str:
-    """The name of the attention measurement in ``dtype`` (part of its key in the store)."""
-    return f"{dtype} attention, kernel {ATTENTION_KERNEL_REVISION}"
+def attention_measurement(dtype: torch.dtype, head_dim: int = 64) -> str:
+    """The name of the attention measurement in ``dtype`` with heads of ``head_dim`` (part of its key in the
+    store)."""
+    return f"{dtype} attention head_dim {head_dim}, kernel {ATTENTION_KERNEL_REVISION}"
 
 
 ATTENTION_MEASUREMENT = attention_measurement(torch.float32)
 
 
-def _measure_attention(attention_cpu, dtype: torch.dtype) -> dict[str, dict[int, float]]:
-    """GFLOP/s of torch's per-sequence SDPA and of the C++ CPU attention on ``ATTENTION_SEQUENCES`` in ``dtype``
-    (median of 11 after 3 warm-ups, interleaved; ~0.3 s)."""
+def _measure_attention(attention_cpu, dtype: torch.dtype, head_dim: int) -> dict[str, dict[int, float]]:
+    """GFLOP/s of torch's per-sequence SDPA and of the C++ CPU attention on ``ATTENTION_SEQUENCES`` in ``dtype``,
+    12 heads of ``head_dim`` (median of 11 after 3 warm-ups, interleaved; ~0.3 s)."""
     generator = torch.Generator().manual_seed(0)
     figures = {"torch": {}, "cpu-ext": {}}
     with torch.inference_mode():
         for tokens, seqlens in ATTENTION_SEQUENCES.items():
-            qkv = torch.randn(sum(seqlens), 3, 12, 64, generator=generator).to(dtype)
+            qkv = torch.randn(sum(seqlens), 3, 12, head_dim, generator=generator).to(dtype)
 
             def sdpa():
                 for chunk in qkv.split(seqlens):
@@ -345,7 +356,7 @@ def _measure_attention(attention_cpu, dtype: torch.dtype) -> dict[str, dict[int,
                     F.scaled_dot_product_attention(q, k, v)
 
             seconds = median_seconds({"torch": sdpa, "cpu-ext": lambda: attention_cpu(qkv, seqlens)}, reps=11)
-            gflop = sum(4 * length * length * 12 * 64 for length in seqlens) / 1e9
+            gflop = sum(4 * length * length * 12 * head_dim for length in seqlens) / 1e9
             for name, value in seconds.items():
                 figures[name][tokens] = round(gflop / value, 1)
     return figures

@@ -128,6 +128,8 @@ def summary(report: dict) -> str:
     width = max(len(op) for op in report["backends"])
     for op, backend in report["backends"].items():
         skipped = [r for r in report["reasons"][op] if not r.startswith("triton: on CPU")]
+        if op == "attention" and backend == "cpu-ext":  # (a choice per model: ``ops/attention.py``'s ``_cpu_why_not``)
+            skipped.insert(0, "where it measured faster than SDPA at the model's dtype and head dim, else torch")
         lines.append(f"  {op:<{width}}  {backend}" + (f"  ({'; '.join(skipped)})" if skipped else ""))
     if report["device"] == "cpu" and not report["triton_interpret"]:
         lines.append("  (Triton kernels run on GPUs; on the CPU torch's ops and fastbert's C++ kernels are the "

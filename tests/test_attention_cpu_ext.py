@@ -178,7 +178,7 @@ def kernel_calls(monkeypatch):
     """The calls attention() makes to the kernel (sequence lengths, bias, window, columns given or not), with the
     kernel chosen whatever this CPU measured (these tests are about the routing; an Intel Xeon measures SDPA faster)."""
     calls, kernel = [], attention.attention_cpu
-    monkeypatch.setattr(cpu, "attention_slower_reason", lambda kernel, dtype=None: None)
+    monkeypatch.setattr(cpu, "attention_slower_reason", lambda kernel, dtype=None, head_dim=None: None)
 
     def counted(qkv, seqlens, relative_bias=None, window=None, columns=None, isa="", disentangled=None, spare_rows=0):
         calls.append((tuple(seqlens), relative_bias is not None, window, columns is not None))
@@ -234,25 +234,34 @@ def test_gradients_take_the_differentiable_path(kernel_calls):
 
 
 def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurements_kept):
-    """The kernel replaces SDPA where it measured faster at every size (the figures kept per machine, in info());
-    where it measured slower, SDPA runs without a warning: a measured choice between exact paths, not a fallback."""
+    """The kernel replaces SDPA where it measured faster at every size, per dtype and head dim (the figures kept per
+    machine, in info()); where it measured slower, SDPA runs without a warning: a measured choice between exact
+    paths, not a fallback, which info() lists among the reasons of some calls."""
     monkeypatch.setattr(cpu, "_figures", {})
+    monkeypatch.setattr(dispatch, "_seen", {})
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    sizes = set(cpu.ATTENTION_SEQUENCES)
     figures = cpu.attention_figures(attention_cpu.attention_cpu)
-    assert figures["source"] == "measured" and set(figures["torch"]) == set(figures["cpu-ext"]) == {128, 512}
+    assert figures["source"] == "measured" and set(figures["torch"]) == set(figures["cpu-ext"]) == sizes
     bf16 = cpu.attention_figures(attention_cpu.attention_cpu, torch.bfloat16)  # (each dtype measured on its own)
-    assert bf16["source"] == "measured" and set(bf16["cpu-ext"]) == {128, 512}
-    assert fastbert.info()["cpu_attention"]["measured_gflops"] == {"float32": figures, "bfloat16": bf16}
+    assert bf16["source"] == "measured" and set(bf16["cpu-ext"]) == sizes
+    small = cpu.attention_figures(attention_cpu.attention_cpu, head_dim=8)  # (and each head dim)
+    assert small["source"] == "measured" and small["torch"] != figures["torch"]
+    assert fastbert.info()["cpu_attention"]["measured_gflops"] == {
+        "float32, head_dim 64": figures, "bfloat16, head_dim 64": bf16, "float32, head_dim 8": small}
     store = json.loads((tmp_path / "cpu_gemm.json").read_text())
-    store[cpu._key(cpu.ATTENTION_MEASUREMENT)] = {"torch": {"128": 100.0, "512": 100.0},
-                                                 "cpu-ext": {"128": 120.0, "512": 90.0}}
+    store[cpu._key(cpu.attention_measurement(torch.float32, 8))] = {
+        "torch": {"32": 100.0, "128": 100.0, "512": 100.0}, "cpu-ext": {"32": 150.0, "128": 120.0, "512": 90.0}}
+    store[cpu._key(cpu.attention_measurement(torch.float32, 16))] = {
+        "torch": {"32": 100.0, "128": 100.0, "512": 100.0}, "cpu-ext": {"32": 150.0, "128": 120.0, "512": 110.0}}
     (tmp_path / "cpu_gemm.json").write_text(json.dumps(store))
     monkeypatch.setattr(cpu, "_figures", {})
-    backends, reasons = dispatch.report(torch.device("cpu"), torch.float32)
-    assert backends["attention"] == "torch"
-    assert "slower than torch's SDPA on this CPU at 512 tokens (90.0 vs 100.0 GFLOP/s, float32)" in \
-        reasons["attention"][0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        call = attention.Call(8, (), torch.device("cpu"), torch.float32)
-        assert dispatch.decide("attention", attention.BACKENDS, call).backend.name == "torch"
+        slower = attention.Call(8, (), torch.device("cpu"), torch.float32)
+        assert dispatch.decide("attention", attention.BACKENDS, slower).backend.name == "torch"
+        faster = attention.Call(16, (), torch.device("cpu"), torch.float32)
+        assert dispatch.decide("attention", attention.BACKENDS, faster).backend.name == "cpu-ext"
+    reasons = dispatch.report(torch.device("cpu"), torch.float32)[1]["attention"]
+    assert any("cpu-ext (some calls): slower than torch's SDPA on this CPU at 1 x 512 tokens (90.0 vs 100.0 "
+               "GFLOP/s, float32, head_dim 8)" in reason for reason in reasons), reasons

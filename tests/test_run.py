@@ -85,7 +85,7 @@ def test_a_declined_call_runs_the_next_backend_and_is_counted(small_bert_config,
     monkeypatch.setattr(dispatch, "_declines", {})
     # (this machine's measured choice between the C++ kernel and SDPA, taken as the kernel: on a busy machine the
     # measurement keeps SDPA)
-    monkeypatch.setattr(cpu, "attention_slower_reason", lambda kernel, dtype=None: None)
+    monkeypatch.setattr(cpu, "attention_slower_reason", lambda kernel, dtype=None, head_dim=None: None)
     torch.manual_seed(0)
     config = small_bert_config()
     hf = transformers.BertModel(config).eval()

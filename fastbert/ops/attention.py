@@ -11,7 +11,7 @@ Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_
            (``handoff``)
   cpu-ext  fastbert._C's C++ kernel (``attention_cpu.py``): float32 or bfloat16 (float32 inside) inference on the CPU
            over packed tokens or a batch without padding, where it measured faster than SDPA on this CPU in that
-           dtype (``cpu.attention_figures``)
+           dtype and head dim (``cpu.attention_figures``)
   triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
            over packed tokens (``kernels/attention_varlen.py``); head dims up to ``MAX_HEAD_DIM``; windows and
            MPNet's relative bias inside the kernel
@@ -232,12 +232,16 @@ def _triton_run(call, heads, layout, dropout_p, window, relative_bias, disentang
     return triton_attention.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias)
 
 
-def _cpu_unavailable(device: torch.device, dtype: torch.dtype) -> list[str]:
-    reasons = attention_cpu_unavailable_reasons()
-    if reasons:
-        return reasons
+def _cpu_why_not(call: Call) -> list[str]:
+    """Gradients and the like (``call.reasons``), else this CPU's measured choice at the call's dtype and head dim
+    (a head dim of 32 and one of 64 choose differently on some CPUs: ``cpu.ATTENTION_SEQUENCES``). While
+    torch.compile traces, a choice not yet measured in this process keeps SDPA (a trace times nothing)."""
+    if call.reasons:
+        return list(call.reasons)
+    if torch.compiler.is_compiling() and ("attention", call.dtype, call.head_dim) not in cpu.attention_measured():
+        return [MeasuredChoice("not measured in this process before torch.compile traced the model")]
     try:
-        slower = cpu.attention_slower_reason(attention_cpu, dtype)
+        slower = cpu.attention_slower_reason(attention_cpu, call.dtype, call.head_dim)
     except RuntimeError as error:  # the kernel refusing this CPU: SDPA, never a failed forward
         return [f"the C++ CPU attention failed here: {error}"]
     return [MeasuredChoice(slower)] if slower else []
@@ -300,8 +304,9 @@ BACKENDS = dispatch.register("attention", [
     Backend("cpu-int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), dtypes=(torch.float32,), opt_in=True,
             declines=_padded_rows, steps=True),
     # (bfloat16 too: float32 inside, as torch's flash SDPA keeps its scores; each dtype measured against SDPA)
-    Backend("cpu-ext", run=_cpu_run, unavailable=_cpu_unavailable, why_not=lambda call: list(call.reasons),
-            devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), declines=_padded_rows, steps=True),
+    Backend("cpu-ext", run=_cpu_run, unavailable=lambda device, dtype: attention_cpu_unavailable_reasons(),
+            why_not=_cpu_why_not, devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), declines=_padded_rows,
+            steps=True),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     # (steps where ``_sdpa_rows`` runs it; elsewhere its torch ops fail a replay's capture)
     Backend("torch", run=_torch_run, steps=True),
