@@ -75,7 +75,7 @@ def native_bf16() -> bool:
 # --- measurements, per machine -------------------------------------------------------------------------------------
 
 _figures: dict = {}  # torch.dtype -> the fp32/bf16 GEMM figures; ("int8", bits) -> the int8 ones;
-# ("attention", torch.dtype) -> the attention ones
+# ("attention", torch.dtype, head dim) -> the attention ones
 _lock = threading.Lock()  # concurrent first forwards: one measurement, not two timing each other
 
 
@@ -134,12 +134,6 @@ def gemm_measurement(dtype: torch.dtype) -> str:
 def gemm_figures_so_far() -> dict[torch.dtype, dict]:
     with _lock:
         return {what: figures for what, figures in _figures.items() if isinstance(what, torch.dtype)}
-
-
-def attention_measured() -> set[tuple]:
-    """The ("attention", dtype, head dim) choices measured (or read) so far in this process."""
-    with _lock:
-        return {what for what in _figures if isinstance(what, tuple) and what[0] == "attention"}
 
 
 def attention_figures_so_far() -> dict[str, dict]:
@@ -209,15 +203,15 @@ def gemm_slower_reason(library: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def attention_figures(kernel, dtype: torch.dtype = torch.float32, head_dim: int = 64) -> dict:
+def attention_figures(kernel, dtype: torch.dtype, head_dim: int) -> dict:
     """GFLOP/s of torch's SDPA and of the C++ CPU attention ``kernel`` (``ops.attention_cpu.attention_cpu``) in
-    ``dtype`` with heads of ``head_dim`` at ``ATTENTION_SEQUENCES``, measured once per machine (~0.3 s), then read
-    back."""
+    ``dtype`` with heads of ``head_dim`` at ``ATTENTION_SEQUENCES``, measured once per machine, dtype and head dim
+    (~0.3 s), then read back."""
     return _measured(("attention", dtype, head_dim), attention_measurement(dtype, head_dim), ("torch", "cpu-ext"),
                      tuple(ATTENTION_SEQUENCES), lambda: _measure_attention(kernel, dtype, head_dim))
 
 
-def attention_slower_reason(kernel, dtype: torch.dtype = torch.float32, head_dim: int = 64) -> str | None:
+def attention_slower_reason(kernel, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why the C++ CPU attention ``kernel`` does not replace torch's SDPA here in ``dtype`` with heads of ``head_dim``
     (slower at some measured size, or not measured yet because the machine was busy), or None."""
     figures = attention_figures(kernel, dtype, head_dim)
@@ -322,23 +316,21 @@ def _measure_int8(bits: int, libraries: tuple[str, ...]) -> dict[str, dict[int, 
 
 # Sequences both CPU attentions are timed on (12 heads of the model's head dim): 16 short sentences of 32 tokens (a
 # server's or the Embedder's batches), 8 x 128 tokens and one of 512. The kernel replaces torch's SDPA only where it
-# is faster at all three, for that dtype and head dim: measured on Zen 4 it is at every length; its AVX2 build, timed
-# there against SDPA's AVX-512 one, wins at 128 tokens, not at 512; on an Intel Xeon (Sapphire Rapids class) SDPA wins
-# at both; on an AVX2-only Zen 3 it is 1.2-2.0x SDPA with heads of 32 (MiniLM's) at every length, and with heads of
-# 64 1.5x at 16 x 40 tokens but 0.97x at 8 x 128 and 0.83x at 512.
+# is faster at all three, for that dtype and head dim. With heads of 64 (measured at 8 x 128 and 512 then): on Zen 4
+# it is faster at every length; its AVX2 build, timed there against SDPA's AVX-512 one, at 128 tokens, not at 512; on
+# an Intel Xeon (Sapphire Rapids class) SDPA was faster at both. On an AVX2-only Zen 3 it is 1.2-2.0x SDPA with heads
+# of 32 (MiniLM's) at every length, and with heads of 64 1.5x at 16 x 40 tokens but 0.97x at 8 x 128 and 0.83x at 512.
 ATTENTION_SEQUENCES = {32: [32] * 16, 128: [128] * 8, 512: [512]}
 # Part of the stored measurement's key: a machine that measured an older C++ attention (or other sequences) measures
 # this one again rather than keep an older kernel's verdict.
 ATTENTION_KERNEL_REVISION = 3
 
 
-def attention_measurement(dtype: torch.dtype, head_dim: int = 64) -> str:
+def attention_measurement(dtype: torch.dtype, head_dim: int) -> str:
     """The name of the attention measurement in ``dtype`` with heads of ``head_dim`` (part of its key in the
     store)."""
     return f"{dtype} attention head_dim {head_dim}, kernel {ATTENTION_KERNEL_REVISION}"
 
-
-ATTENTION_MEASUREMENT = attention_measurement(torch.float32)
 
 
 def _measure_attention(attention_cpu, dtype: torch.dtype, head_dim: int) -> dict[str, dict[int, float]]:

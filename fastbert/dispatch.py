@@ -158,7 +158,8 @@ class Backend:
     the tensors tell: a dense batch whose padded rows the kernel cannot skip); the decision then runs the next
     backend that can, and counts it. ``steps``: every native call it makes is a replay step (``run.step``), or it
     makes none and only calls other ops, whose decisions are judged in turn: a recorded forward may contain it
-    (``replay/``)."""
+    (``replay/``). ``per_call``: what it also depends on per call, where that is a choice (``report`` says it beside
+    the backend it names for a device and dtype)."""
 
     name: str
     run: Callable
@@ -169,6 +170,7 @@ class Backend:
     opt_in: bool = False
     declines: Callable[..., str | None] | None = None
     steps: bool = False
+    per_call: str | None = None
 
     def exists_for(self, device: torch.device, dtype: torch.dtype) -> bool:
         return (self.devices is None or device.type in self.devices) and (self.dtypes is None or dtype in self.dtypes)
@@ -254,7 +256,8 @@ def decide(op: str, backends: Sequence[Backend], call) -> Decision:
             continue
         static = _unavailable(op, backend, call.device, call.dtype)
         dynamic = backend.why_not(call) if not static else []
-        if dynamic and not all(isinstance(reason, ByDesign) for reason in dynamic):
+        if dynamic and not all(isinstance(reason, ByDesign) for reason in dynamic) \
+                and not torch.compiler.is_compiling():  # (a trace takes no lock: eager calls note the same)
             with _seen_lock:
                 _seen.setdefault(op, {})[backend.name] = tuple(dynamic)
         if not static and not dynamic:
@@ -309,6 +312,8 @@ def report(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, str], di
         chosen = next(name for name, why in order if not why)
         backends[op] = chosen
         reasons[op] = [f"{name}: {'; '.join(why)}" for name, why in order[: [n for n, _ in order].index(chosen)]]
+        per_call = next(b.per_call for b in declared if b.name == chosen)
+        reasons[op] += [f"{chosen}: {per_call}"] if per_call else []
     with _seen_lock:
         for op, met in _seen.items():
             reasons.setdefault(op, [])

@@ -57,8 +57,8 @@ def info() -> dict:
         # The threads a CPU forward runs: torch's count within the affinity mask, the cgroup quota and the load.
         "threads": threads.report(),
         # The C++ CPU attention (float32 and bfloat16 inference): the instruction sets it runs with here, or why it
-        # does not, and its GFLOP/s against torch's SDPA per dtype as measured on this CPU (once per machine and dtype,
-        # at the first CPU forward in it).
+        # does not, and its GFLOP/s against torch's SDPA as measured on this CPU (once per machine, dtype and head
+        # dim, at the first CPU forward of a model with them), under "<dtype>, head_dim <d>".
         "cpu_attention": {"isas": attention_cpu.attention_cpu_isas(),
                           "unavailable": attention_cpu.attention_cpu_unavailable_reasons(),
                           "measured_gflops": cpu.attention_figures_so_far()},
@@ -128,8 +128,6 @@ def summary(report: dict) -> str:
     width = max(len(op) for op in report["backends"])
     for op, backend in report["backends"].items():
         skipped = [r for r in report["reasons"][op] if not r.startswith("triton: on CPU")]
-        if op == "attention" and backend == "cpu-ext":  # (a choice per model: ``ops/attention.py``'s ``_cpu_why_not``)
-            skipped.insert(0, "where it measured faster than SDPA at the model's dtype and head dim, else torch")
         lines.append(f"  {op:<{width}}  {backend}" + (f"  ({'; '.join(skipped)})" if skipped else ""))
     if report["device"] == "cpu" and not report["triton_interpret"]:
         lines.append("  (Triton kernels run on GPUs; on the CPU torch's ops and fastbert's C++ kernels are the "

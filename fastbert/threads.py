@@ -22,11 +22,12 @@ Fork: GNU OpenMP's thread pool belongs to the thread that started it and does no
 forking thread had a pool hangs at its first parallel region (with transformers as with fastbert). fastbert's own
 one-time work (measurements, trial GEMMs, the int8 guard) therefore runs in a short-lived thread of its own
 (``in_own_thread``), whose pool goes with it: importing fastbert, ``optimize``, ``info``, ``quantize``, ``dtype=auto``'s
-guard and a server engine's calibration leave the caller's thread without one. That also keeps a pool idle in one
-thread from slowing the forwards of another: with more OpenMP threads alive than CPUs, GNU OpenMP's workers sleep at
-every barrier instead of spinning (seen: a server's model thread ran MiniLM's 38-token forward in 33 ms instead of 15
-while the main thread kept the pool of its calibration forward; AMD EPYC Zen 3, 2 cores). Where the forking thread ran a multi-threaded fastbert forward, the child runs torch on
-one thread (as PyTorch's DataLoader workers do) and says so, instead of hanging.
+guard and a server engine's calibration leave the caller's thread without one. That also keeps a pool idle in one thread
+from slowing the forwards of another: with more OpenMP threads alive than CPUs, GNU OpenMP's workers sleep at every
+barrier instead of spinning (seen: MiniLM's 38-token forward took 33 ms instead of 15 in a second thread while the main
+thread kept the pool of an earlier forward, as a server's model thread did beside its calibration forward; AMD EPYC Zen
+3, 2 cores). Where the forking thread ran a multi-threaded fastbert forward, the child runs torch on one thread (as
+PyTorch's DataLoader workers do) and says so, instead of hanging.
 """
 
 import math

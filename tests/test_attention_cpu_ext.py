@@ -239,13 +239,14 @@ def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurem
     paths, not a fallback, which info() lists among the reasons of some calls."""
     monkeypatch.setattr(cpu, "_figures", {})
     monkeypatch.setattr(dispatch, "_seen", {})
+    monkeypatch.setattr(attention, "_measured_choices", {})
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
     sizes = set(cpu.ATTENTION_SEQUENCES)
-    figures = cpu.attention_figures(attention_cpu.attention_cpu)
+    figures = cpu.attention_figures(attention_cpu.attention_cpu, torch.float32, 64)
     assert figures["source"] == "measured" and set(figures["torch"]) == set(figures["cpu-ext"]) == sizes
-    bf16 = cpu.attention_figures(attention_cpu.attention_cpu, torch.bfloat16)  # (each dtype measured on its own)
+    bf16 = cpu.attention_figures(attention_cpu.attention_cpu, torch.bfloat16, 64)  # (each dtype measured on its own)
     assert bf16["source"] == "measured" and set(bf16["cpu-ext"]) == sizes
-    small = cpu.attention_figures(attention_cpu.attention_cpu, head_dim=8)  # (and each head dim)
+    small = cpu.attention_figures(attention_cpu.attention_cpu, torch.float32, 8)  # (and each head dim)
     assert small["source"] == "measured" and small["torch"] != figures["torch"]
     assert fastbert.info()["cpu_attention"]["measured_gflops"] == {
         "float32, head_dim 64": figures, "bfloat16, head_dim 64": bf16, "float32, head_dim 8": small}

@@ -86,11 +86,12 @@ def test_a_broken_file_is_rewritten(empty_store, content, measurements_kept):
 
 def test_forwards_info_and_quantize_survive_a_malformed_store(empty_store, bert_trio):
     """What broke every process before: a well-formed JSON entry of the wrong type for each measurement."""
-    key = cpu._key
-    empty_store.write_text(json.dumps({key(GEMM[0]): {"torch": "x"}, key(cpu.ATTENTION_MEASUREMENT): [],
+    key, model = cpu._key, bert_trio().fast
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    empty_store.write_text(json.dumps({key(GEMM[0]): {"torch": "x"},
+                                       key(cpu.attention_measurement(torch.float32, head_dim)): [],
                                        key(cpu.int8_measurement(8)): {"int8": None},
                                        key(cpu.int8_measurement(7)): 3}))
-    model = bert_trio().fast
     with pytest.warns(RuntimeWarning, match="malformed entry"):
         with torch.inference_mode():
             model(torch.ones(2, 8, dtype=torch.long))
@@ -133,11 +134,12 @@ def test_four_processes_starting_together_agree(tmp_path):
     for it; they make the same choice for every op and leave one file of valid entries."""
     script = textwrap.dedent("""
         import json, torch, fastbert
-        from fastbert import dispatch
+        from fastbert import cpu, dispatch
         from fastbert.int8 import choices as int8
+        from fastbert.ops.attention_cpu import attention_cpu
         backends, _ = dispatch.report(torch.device("cpu"), torch.float32)
-        print(json.dumps(dict(gemm=backends["gemm"], attention=backends["attention"],
-                              int8=not int8.unavailable_reasons())))
+        print(json.dumps(dict(gemm=backends["gemm"], int8=not int8.unavailable_reasons(),
+                              attention=cpu.attention_slower_reason(attention_cpu, torch.float32, 64) is None)))
     """)
     environment = {**{k: v for k, v in os.environ.items() if k != "FASTBERT_NUM_THREADS"},
                    "FASTBERT_CACHE_DIR": str(tmp_path)}

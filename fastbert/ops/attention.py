@@ -232,19 +232,26 @@ def _triton_run(call, heads, layout, dropout_p, window, relative_bias, disentang
     return triton_attention.attention(padded, layout.key_padding_mask, layout.key_bounds, window, relative_bias)
 
 
+_measured_choices: dict[tuple, list[str]] = {}  # (dtype, head dim) -> why eager calls found the kernel not to run
+
+
 def _cpu_why_not(call: Call) -> list[str]:
     """Gradients and the like (``call.reasons``), else this CPU's measured choice at the call's dtype and head dim
     (a head dim of 32 and one of 64 choose differently on some CPUs: ``cpu.ATTENTION_SEQUENCES``). While
-    torch.compile traces, a choice not yet measured in this process keeps SDPA (a trace times nothing)."""
+    torch.compile traces, what an eager call found (a trace reads no store and takes no lock), or SDPA where no eager
+    call has asked yet."""
     if call.reasons:
         return list(call.reasons)
-    if torch.compiler.is_compiling() and ("attention", call.dtype, call.head_dim) not in cpu.attention_measured():
-        return [MeasuredChoice("not measured in this process before torch.compile traced the model")]
+    key = (call.dtype, call.head_dim)
+    if torch.compiler.is_compiling():
+        return _measured_choices.get(key, [MeasuredChoice("not measured in this process before torch.compile "
+                                                          "traced the model")])
     try:
         slower = cpu.attention_slower_reason(attention_cpu, call.dtype, call.head_dim)
     except RuntimeError as error:  # the kernel refusing this CPU: SDPA, never a failed forward
-        return [f"the C++ CPU attention failed here: {error}"]
-    return [MeasuredChoice(slower)] if slower else []
+        slower = f"the C++ CPU attention failed here: {error}"
+    _measured_choices[key] = reasons = [MeasuredChoice(slower)] if slower else []
+    return reasons
 
 
 def _cpu_run(call, heads, layout, dropout_p, window, relative_bias, disentangled, handoff):
@@ -303,10 +310,11 @@ def _torch_run(call, heads, layout, dropout_p, window, relative_bias, disentangl
 BACKENDS = dispatch.register("attention", [
     Backend("cpu-int8", run=_int8_run, why_not=_int8_why_not, devices=("cpu",), dtypes=(torch.float32,), opt_in=True,
             declines=_padded_rows, steps=True),
-    # (bfloat16 too: float32 inside, as torch's flash SDPA keeps its scores; each dtype measured against SDPA)
+    # (bfloat16 too: float32 inside, as torch's flash SDPA keeps its scores; each dtype and head dim measured against
+    # SDPA)
     Backend("cpu-ext", run=_cpu_run, unavailable=lambda device, dtype: attention_cpu_unavailable_reasons(),
             why_not=_cpu_why_not, devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), declines=_padded_rows,
-            steps=True),
+            steps=True, per_call="where it measured faster than SDPA at the model's dtype and head dim, else torch"),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     # (steps where ``_sdpa_rows`` runs it; elsewhere its torch ops fail a replay's capture)
     Backend("torch", run=_torch_run, steps=True),
