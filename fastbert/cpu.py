@@ -332,7 +332,6 @@ def attention_measurement(dtype: torch.dtype, head_dim: int) -> str:
     return f"{dtype} attention head_dim {head_dim}, kernel {ATTENTION_KERNEL_REVISION}"
 
 
-
 def _measure_attention(attention_cpu, dtype: torch.dtype, head_dim: int) -> dict[str, dict[int, float]]:
     """GFLOP/s of torch's per-sequence SDPA and of the C++ CPU attention on ``ATTENTION_SEQUENCES`` in ``dtype``,
     12 heads of ``head_dim`` (median of 11 after 3 warm-ups, interleaved; ~0.3 s)."""
