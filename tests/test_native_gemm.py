@@ -1,6 +1,7 @@
 """fastbert's own float32 CPU GEMM (fastbert/native_gemm.py, csrc/gemm_cpu.h) against its torch reference: odd shapes
-(rows 1-13 around its 6-row tiles, columns around its 16-column panels, inputs around its 64-input partial sums),
-each epilogue, strided inputs, empty ones, and bad input. The models with it forced: test_cpu_gemm.py."""
+(rows 1-13 around its 6-row tiles and the tails it splits into tiles of 3-5 and 4 rows, columns around its 16-column
+panels, inputs around its 64-input partial sums), each epilogue, strided inputs, empty ones, and bad input. The
+models with it forced: test_cpu_gemm.py."""
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ def runs_here():
         pytest.skip("; ".join(reasons))
 
 
-SHAPES = [(1, 312, 26), (5, 26, 17), (6, 64, 16), (7, 65, 1), (13, 768, 312), (129, 768, 768), (37, 3072, 768),
-          (300, 96, 2304)]  # (rows, in, out)
+SHAPES = [(1, 312, 26), (5, 26, 17), (6, 64, 16), (7, 65, 1), (8, 40, 33), (9, 130, 50), (13, 768, 312),
+          (129, 768, 768), (37, 3072, 768), (300, 96, 2304)]  # (rows, in, out)
 
 
 @pytest.mark.parametrize("rows, d_in, d_out", SHAPES)
