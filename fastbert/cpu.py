@@ -128,7 +128,9 @@ def gemm_measurement(dtype: torch.dtype) -> str:
     that measured other shapes or libraries (another build of fastbert sharing the store) measures again rather than
     warn of an entry that lacks one."""
     shapes = " ".join(f"{n_in}x{n_out}" for n_in, n_out in GEMM_SHAPES)
-    return f"{dtype} gemm {shapes} of {' '.join(gemm_libraries(dtype))}"
+    libraries = gemm_libraries(dtype)
+    revision = f", native kernel {NATIVE_GEMM_REVISION}" if "native" in libraries else ""
+    return f"{dtype} gemm {shapes} of {' '.join(libraries)}{revision}"
 
 
 def gemm_figures_so_far() -> dict[torch.dtype, dict]:
@@ -256,6 +258,9 @@ GEMM_TOKENS = (128, 1024)
 # bert-base's attention output (in, out) and its first FFN GEMM: a library may win one shape and lose the other (seen,
 # AMD EPYC Zen 3: fastbert's native GEMM 1.09x MKL on the first, 1.5x on the second, at 128 tokens).
 GEMM_SHAPES = ((768, 768), (768, 3072))
+# Part of the float32 measurement's key: a machine that measured an older native GEMM (csrc/gemm_cpu.cpp) measures
+# this one again rather than keep an older kernel's verdict.
+NATIVE_GEMM_REVISION = 2
 
 
 def _measure_gemm(dtype: torch.dtype, libraries: tuple[str, ...]) -> dict[str, dict[int, float]]:
