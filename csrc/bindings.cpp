@@ -183,13 +183,14 @@ void quantize_per_token_cpu(std::uintptr_t x, std::uintptr_t out, int64_t rows, 
 }
 
 void gemm_cpu(std::uintptr_t x, int64_t x_stride, std::uintptr_t packed, std::uintptr_t bias, std::uintptr_t residual,
-              std::uintptr_t y, int64_t rows, int64_t in, int64_t out, int num_threads) {
+              std::uintptr_t y, int64_t rows, int64_t in, int64_t out, int num_threads, bool gelu) {
   if (rows < 0 || in < 0 || out < 0 || x_stride < in) throw std::invalid_argument("rows, in, out >= 0, x_stride >= in");
+  if (gelu && residual) throw std::invalid_argument("gelu with a residual");
   if (rows * out == 0) return;
   if (!y || (in > 0 && (!x || !packed))) throw std::invalid_argument("null data pointer");
   fastbert::gemm_cpu({reinterpret_cast<const float*>(x), x_stride, reinterpret_cast<const float*>(packed),
                       reinterpret_cast<const float*>(bias), reinterpret_cast<const float*>(residual),
-                      reinterpret_cast<float*>(y), rows, in, out},
+                      reinterpret_cast<float*>(y), rows, in, out, gelu},
                      num_threads);
 }
 
@@ -334,10 +335,10 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("gemm_cpu", &gemm_cpu,
         "y [rows, out] = float32 x [rows, in] (row stride x_stride) @ W^T + bias (+ residual [rows, out]; either 0: "
-        "none), W prepacked as [ceil(out / 16), in, 16] panels (gemm_cpu.h). RuntimeError on a CPU without AVX2 "
-        "and FMA.",
+        "none), W prepacked as [ceil(out / 16), in, 16] panels (gemm_cpu.h); gelu: GELU (erf form) after the bias, "
+        "no residual. RuntimeError on a CPU without AVX2 and FMA.",
         py::arg("x"), py::arg("x_stride"), py::arg("packed"), py::arg("bias"), py::arg("residual"), py::arg("y"),
-        py::arg("rows"), py::arg("in"), py::arg("out"), py::arg("num_threads"),
+        py::arg("rows"), py::arg("in"), py::arg("out"), py::arg("num_threads"), py::arg("gelu") = false,
         py::call_guard<py::gil_scoped_release>());
 
   m.def("gemm_cpu_available", &fastbert::gemm_cpu_available,

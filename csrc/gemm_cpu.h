@@ -1,6 +1,7 @@
 // Float32 GEMM on the CPU with its epilogue, on a weight prepacked once into column panels:
 //
 //   y[r, o] = sum_i x[r, i] * W[o, i] + bias[o] (+ residual[r, o])        x [rows, in], y and residual [rows, out]
+//   or, with gelu, y[r, o] = GELU(sum_i x[r, i] * W[o, i] + bias[o])      (erf form, as torch's F.gelu)
 //   packed  [panels, in, 16]: packed[p, i, j] = W[16 p + j, i], zero past out    (panels = ceil(out / 16))
 //
 // bias or residual null: none. Each output is summed in float32 FMAs, 64 inputs at a time from zero, each partial
@@ -23,6 +24,7 @@ struct GemmCpuArgs {
   int64_t rows;
   int64_t in;
   int64_t out;
+  bool gelu;              // GELU after the bias (not with a residual)
 };
 
 // Whether this CPU runs the kernel (x86-64 with AVX2 and FMA).
