@@ -12,9 +12,9 @@ Runtime's own GEMM reaches. Whether it replaces F.linear is measured once per ma
 
 Numerics: float32 FMAs, each output summed 64 inputs at a time from zero and then added to its running sum, the
 bias first: its error against float64 stays within torch's (the tests check 2x on odd shapes). The bias, the
-residual and the erf GELU (BERT's, MPNet's, MiniLM's ``hidden_act="gelu"``: an erf within one float32 step of
-float64's, as torch's) are the kernel's epilogue, applied to the sums in registers: a GELU as its own pass read and
-wrote the FFN's widest activation again (a tenth of a MiniLM forward at 32 x 40 tokens on a Zen 3). Other
+residual and the erf GELU (BERT's, MPNet's, MiniLM's ``hidden_act="gelu"``; its error within torch's F.gelu's) are
+the kernel's epilogue, applied to the sums in registers: a GELU as its own pass read and wrote the FFN's widest
+activation again (on a Zen 3 at 1,280 x 384 -> 1536: 1.3 ms after a 10.3 ms GEMM, 1.0 ms in its epilogue). Other
 activations run after it in torch ops (``activation_ref``, transformers' math).
 """
 

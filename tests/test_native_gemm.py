@@ -6,7 +6,7 @@ models with it forced: test_cpu_gemm.py."""
 import pytest
 import torch
 
-from fastbert import cpu_gemm, native_gemm
+from fastbert import _extension, cpu_gemm, native_gemm
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,8 @@ def test_linear_matches_reference(rows, d_in, d_out, epilogue):
 def test_gelu_epilogue_as_exact_as_torch():
     """The kernel's erf GELU on pre-activations from -12 to 12 (a step of 1e-4; each computed exactly: x times a
     weight of 1): in each range of x (its 8 segments of erf, the tails) its error against float64 at most twice that
-    of torch's F.gelu; infinities, NaN and signed zeros as F.gelu gives them."""
+    of torch's F.gelu; infinities, NaN and zeros as F.gelu gives them. With a residual, the GELU runs after the sum
+    in torch ops (the kernel's epilogue takes no activation with a residual, and says so)."""
     x = torch.linspace(-12, 12, 240_001).unsqueeze(1)
     one = native_gemm.pack(torch.ones(1, 1))
     with torch.inference_mode():
@@ -59,6 +60,16 @@ def test_gelu_epilogue_as_exact_as_torch():
     with torch.inference_mode():
         torch.testing.assert_close(native_gemm.linear(special, one, None, "gelu"), torch.nn.functional.gelu(special),
                                    equal_nan=True, rtol=0, atol=0)
+    generator = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(9, 40, generator=generator), torch.randn(33, 40, generator=generator)
+    bias, residual = torch.randn(33, generator=generator), torch.randn(9, 33, generator=generator)
+    with torch.inference_mode():
+        torch.testing.assert_close(native_gemm.linear(x, native_gemm.pack(weight), bias, "gelu", residual),
+                                   cpu_gemm.linear_ref(x, weight, bias, "gelu", residual), rtol=1e-5, atol=1e-5)
+    y = torch.empty(9, 33)
+    with pytest.raises(ValueError, match="gelu with a residual"):
+        _extension._C.gemm_cpu(x.data_ptr(), 40, native_gemm.pack(weight).panels.data_ptr(), bias.data_ptr(),
+                               residual.data_ptr(), y.data_ptr(), 9, 40, 33, 1, True)
 
 
 def test_strided_and_empty_inputs():

@@ -4,8 +4,9 @@ Reference: ``kernels/activation.py``'s ``bias_act_ref``. Backends, as the op ``b
 
   triton  the GEMM without its bias, then one kernel adding the bias and applying the activation (exact erf GELU,
           tanh GELU, ReLU); on a GPU, ReLU and the tanh GELU in cuBLASLt's epilogue instead, the output written once
-  torch   the GEMM op (``gemm.linear``) with the activation in its epilogue where its backend has one (oneDNN, int8;
-          the native GEMM runs transformers' math after its own epilogue), else HF's activation module after it
+  torch   the GEMM op (``gemm.linear``) with the activation in its epilogue where its backend has one (oneDNN,
+          int8; the native GEMM's has the erf GELU, other activations run after it in transformers' math), else
+          HF's activation module after it
 """
 
 import dataclasses

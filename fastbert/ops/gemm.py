@@ -11,7 +11,8 @@ x: [tokens, in], W: [out, in]. Backends, fastest first:
   onednn  a plain Linear on the CPU, where oneDNN measured faster than torch's F.linear here (``cpu.gemm_figures``):
           the weight prepacked in oneDNN's layout (a derived cache), the epilogue inside the GEMM
   native  a plain float32 Linear on the CPU, where fastbert's own GEMM (``native_gemm``) measured faster than F.linear
-          and oneDNN here: the weight prepacked in its panels (a derived cache), the bias or residual in its epilogue
+          and oneDNN here: the weight prepacked in its panels (a derived cache), the bias, erf GELU or residual in its
+          epilogue
   torch   F.linear on a plain Linear's weights (a stacked weight is a derived cache, concatenated per call when
           gradients need to reach the parameters); a module that is not plain is called; the epilogue in torch ops
           and HF's activation module. Always applies: what transformers runs, and cuBLAS on a GPU.
