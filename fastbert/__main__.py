@@ -9,6 +9,7 @@ COMMANDS = {"serve": "serve an embeddings, rerank or classify model over HTTP (f
 
 
 def main(argv: list[str] | None = None) -> None:
+    from_command_line = argv is None  # (the process is the command: serve may restart it, serve/openmp.py)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--version"]:
         print(f"fastbert {__version__}")
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if asked else 2)
     if argv[0] == "serve":
         from .serve import main as serve
-        serve(argv[1:])
+        serve(argv[1:], command_line=from_command_line)
     else:
         from .info import main as info
         info(argv[1:])

@@ -13,7 +13,8 @@
 - SIGTERM in the middle of a concurrent load: every accepted request is answered, the process exits 0; a client
   holding a half-sent body keeps it up for the grace period only; a second SIGTERM ends it at once.
 - The command fails in one line, without a traceback, on a missing folder, a port outside 1-65535, a GPU that is
-  not there, options that do not go together and a missing serve extra; --help and --version.
+  not there, options that do not go together and a missing serve extra; --help and --version. Started as the
+  command, it sets GNU OpenMP's spin count (unless the user did).
 """
 
 import asyncio
@@ -37,6 +38,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 sentence_transformers = pytest.importorskip("sentence_transformers")
+
+from fastbert.serve import openmp  # noqa: E402 (the serve extra: checked above)
 
 START_SECONDS = 120
 
@@ -384,6 +387,25 @@ def test_sigterm_answers_every_accepted_request_then_exits_0(minilm, tmp_path):
     assert all(len(r.json()["data"]) == 32 for r in responses)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health", timeout=5)
+
+
+def test_the_command_sets_gnu_openmps_spin_count_once(embedding_server, monkeypatch):
+    """The server started as the command, without GOMP_SPINCOUNT, runs with it set (``serve/openmp.py``: it restarted
+    itself, the same process, before loading); a value the user set, or OMP_WAIT_POLICY, is kept, and a restarted
+    process does not restart again."""
+    if not openmp.gnu_openmp():
+        pytest.skip("torch does not run on GNU OpenMP here")
+    with open(f"/proc/{embedding_server.process.pid}/environ", "rb") as f:
+        environment = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    users = os.environ.get("GOMP_SPINCOUNT") or ("" if "OMP_WAIT_POLICY" in os.environ else None)
+    assert environment.get(b"GOMP_SPINCOUNT", b"").decode() == (str(openmp.SPIN_COUNT) if users is None else users)
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", openmp.RESTARTED):
+        monkeypatch.delenv(name, raising=False)
+    assert openmp.restart_environment()["GOMP_SPINCOUNT"] == str(openmp.SPIN_COUNT)
+    for name, value in (("GOMP_SPINCOUNT", "300"), ("OMP_WAIT_POLICY", "passive"), (openmp.RESTARTED, "10000")):
+        with monkeypatch.context() as patch:
+            patch.setenv(name, value)
+            assert openmp.restart_environment() is None
 
 
 def test_a_client_that_disconnects_stops_costing_work(embedding_server):

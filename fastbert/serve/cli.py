@@ -9,7 +9,7 @@ import os
 import signal
 
 from .. import __version__, threads
-from . import extra, loading
+from . import extra, loading, openmp
 from .memory import allocator_advice
 
 CPUS_PER_INSTANCE = 4  # threads of one model instance, where --instances is left to its default
@@ -102,8 +102,9 @@ def parser() -> argparse.ArgumentParser:
     return parse
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The ``fastbert serve`` command."""
+def main(argv: list[str] | None = None, command_line: bool = False) -> None:
+    """The ``fastbert serve`` command. ``command_line``: this process was started as the command (then it may
+    restart itself once, before loading, with GNU OpenMP's spin count set: ``openmp``)."""
     command = parser()
     args = command.parse_args(argv)
     try:
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--calibration {args.calibration}: no such file")
     except (ModuleNotFoundError, ValueError) as error:
         command.exit(1, f"{command.prog}: error: {error}\n")
+    if command_line and (environment := openmp.restart_environment()) is not None:
+        openmp.restart(environment)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     logger = logging.getLogger("fastbert")
     try:
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                      api_key=args.api_key or os.environ.get("FASTBERT_API_KEY") or None, instances=instances)
     logger.info("fastbert serve: %s (%s) on http://%s:%d, %d model instance(s), %s", served.name, served.task,
                 args.host, args.port, instances, served.precision)
+    if spinning := openmp.describe():
+        logger.info(spinning)
     if advice := allocator_advice():
         logger.warning(advice)
     _serve(app, args, logger)
