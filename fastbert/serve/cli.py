@@ -103,10 +103,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, command_line: bool = False) -> None:
-    """The ``fastbert serve`` command. ``command_line``: this process was started as the command (then it may
-    restart itself once, before loading, with GNU OpenMP's spin count set: ``openmp``)."""
+    """The ``fastbert serve`` command. ``command_line``: this process is the command's own (then it may restart
+    itself once, before anything loads, with GNU OpenMP's spin count set: ``openmp``)."""
     command = parser()
     args = command.parse_args(argv)
+    if command_line:
+        openmp.restart_once()  # (before anything it would say twice)
     try:
         extra.require()
         loading.settings(args.device, args.dtype, args.int8)
@@ -115,8 +117,6 @@ def main(argv: list[str] | None = None, command_line: bool = False) -> None:
             raise ValueError(f"--calibration {args.calibration}: no such file")
     except (ModuleNotFoundError, ValueError) as error:
         command.exit(1, f"{command.prog}: error: {error}\n")
-    if command_line and (environment := openmp.restart_environment()) is not None:
-        openmp.restart(environment)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     logger = logging.getLogger("fastbert")
     try:
