@@ -14,7 +14,7 @@
 
 import importlib
 
-from . import _checkout
+from . import _checkout, _openmp
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,7 @@ if _checkout.shadowed(__file__):
     # The repository's source folder, found first from the checkout's root: the installed package replaces it.
     _checkout.load_installed(__name__, __file__)
 else:
+    _openmp.prepare()  # (fastbert serve's process: before torch loads GNU OpenMP, which reads its settings once)
     _checkout.bind_kernels(__name__, __file__)  # (an editable install: fastbert.kernels is the checkout's kernels/)
     from .auto import (
         AutoModel,

@@ -8,9 +8,8 @@ COMMANDS = {"serve": "serve an embeddings, rerank or classify model over HTTP (f
             "info": "what fastbert runs here, and why (fastbert info --json)"}
 
 
-def main(argv: list[str] | None = None, command_line: bool = False) -> None:
-    """``argv`` (default: this process's arguments); ``command_line``: this process is the command's own
-    (``command``)."""
+def main(argv: list[str] | None = None) -> None:
+    """``argv``: default, this process's arguments."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--version"]:
         print(f"fastbert {__version__}")
@@ -23,17 +22,11 @@ def main(argv: list[str] | None = None, command_line: bool = False) -> None:
         sys.exit(0 if asked else 2)
     if argv[0] == "serve":
         from .serve import main as serve
-        serve(argv[1:], command_line=command_line)
+        serve(argv[1:])
     else:
         from .info import main as info
         info(argv[1:])
 
 
-def command() -> None:
-    """The ``fastbert`` command (its console script, ``python -m fastbert``): this process is the command's own, which
-    ``fastbert serve`` may restart once (``serve/openmp.py``); ``main`` called from other code never restarts."""
-    main(command_line=True)
-
-
 if __name__ == "__main__":
-    command()
+    main()

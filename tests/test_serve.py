@@ -32,6 +32,7 @@ import torch
 import transformers
 
 import fastbert
+from fastbert import _openmp
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -39,7 +40,6 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 sentence_transformers = pytest.importorskip("sentence_transformers")
 
-from fastbert.serve import openmp  # noqa: E402 (the serve extra: checked above)
 
 START_SECONDS = 120
 
@@ -389,28 +389,39 @@ def test_sigterm_answers_every_accepted_request_then_exits_0(minilm, tmp_path):
         httpx.get(f"{server.url}/health", timeout=5)
 
 
-def test_the_command_sets_gnu_openmps_spin_count_once(embedding_server, monkeypatch):
-    """The server started as the command, without GOMP_SPINCOUNT, runs with it set (``serve/openmp.py``: it restarted
-    itself, the same process, before loading); a value the user set, or OMP_WAIT_POLICY, is kept; a restarted
-    process, or one whose arguments were changed by the code running it, does not restart."""
-    if not openmp.gnu_openmp():
+@pytest.mark.parametrize("yours", [None, "123"])
+def test_the_command_sets_gnu_openmps_spin_count(yours, tmp_path):
+    """``python -m fastbert serve``, without GOMP_SPINCOUNT, loads GNU OpenMP with it set (``fastbert/_openmp.py``);
+    a value the user set is kept. libgomp itself says what it runs with (OMP_DISPLAY_ENV)."""
+    if not _openmp.gnu_openmp():
         pytest.skip("torch does not run on GNU OpenMP here")
-    with open(f"/proc/{embedding_server.process.pid}/environ", "rb") as f:
-        environment = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    expected = os.environ["GOMP_SPINCOUNT"] if "GOMP_SPINCOUNT" in os.environ \
-        else None if "OMP_WAIT_POLICY" in os.environ else str(openmp.SPIN_COUNT)
-    assert (environment[b"GOMP_SPINCOUNT"].decode() if b"GOMP_SPINCOUNT" in environment else None) == expected
-    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "_FASTBERT_SERVE_RESTARTED"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-m", "fastbert", "serve", "model"])
-    monkeypatch.setattr(sys, "argv", ["/site-packages/fastbert/__main__.py", "serve", "model"])
-    assert openmp.restart_environment()["GOMP_SPINCOUNT"] == str(openmp.SPIN_COUNT)
-    for name, value in (("GOMP_SPINCOUNT", "300"), ("OMP_WAIT_POLICY", "passive"), ("_FASTBERT_SERVE_RESTARTED", "1")):
-        with monkeypatch.context() as patch:
-            patch.setenv(name, value)
-            assert openmp.restart_environment() is None
-    monkeypatch.setattr(sys, "argv", ["fastbert", "serve", "another-model"])
-    assert openmp.restart_environment() is None
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    environment["OMP_DISPLAY_ENV"] = "VERBOSE"
+    if yours is not None:
+        environment["GOMP_SPINCOUNT"] = yours
+    done = subprocess.run([sys.executable, "-m", "fastbert", "serve", "--help"], capture_output=True, text=True,
+                          cwd=tmp_path, env=environment, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"GOMP_SPINCOUNT = '{yours or _openmp.SPIN_COUNT}'" in done.stderr
+
+
+@pytest.mark.parametrize("command_line, serving", [
+    (["python", "-m", "fastbert", "serve", "model"], True),
+    (["python", "-X", "importtime", "-E", "-m", "fastbert", "serve", "model"], True),
+    (["/venv/bin/python", "/venv/bin/fastbert", "serve", "--port", "8000", "model"], True),
+    (["python", "-m", "fastbert", "info"], False),
+    (["/venv/bin/python", "/venv/bin/fastbert", "--version"], False),
+    (["python", "-c", "import fastbert", "fastbert", "serve"], False),
+    (["python", "-W", "fastbert", "serve.py", "serve"], False),
+    (["python", "-m", "pytest", "fastbert", "serve"], False),
+    (["python", "my_app.py", "serve"], False),
+    (["python"], False),
+])
+def test_only_the_serve_commands_own_process_sets_the_spin_count(command_line, serving):
+    """Told from the interpreter's own command line (``sys.orig_argv``), which code that imports fastbert cannot
+    change: only the console script and ``python -m fastbert serve`` are the server's command."""
+    assert _openmp.serving_command(command_line) is serving
 
 
 def test_a_client_that_disconnects_stops_costing_work(embedding_server):

@@ -8,8 +8,8 @@ import logging
 import os
 import signal
 
-from .. import __version__, threads
-from . import extra, loading, openmp
+from .. import __version__, _openmp, threads
+from . import extra, loading
 from .memory import allocator_advice
 
 CPUS_PER_INSTANCE = 4  # threads of one model instance, where --instances is left to its default
@@ -102,13 +102,10 @@ def parser() -> argparse.ArgumentParser:
     return parse
 
 
-def main(argv: list[str] | None = None, command_line: bool = False) -> None:
-    """The ``fastbert serve`` command. ``command_line``: this process is the command's own (then it may restart
-    itself once, before anything loads, with GNU OpenMP's spin count set: ``openmp``)."""
+def main(argv: list[str] | None = None) -> None:
+    """The ``fastbert serve`` command."""
     command = parser()
     args = command.parse_args(argv)
-    if command_line:
-        openmp.restart_once()  # (before anything it would say twice)
     try:
         extra.require()
         loading.settings(args.device, args.dtype, args.int8)
@@ -131,7 +128,7 @@ def main(argv: list[str] | None = None, command_line: bool = False) -> None:
                      api_key=args.api_key or os.environ.get("FASTBERT_API_KEY") or None, instances=instances)
     logger.info("fastbert serve: %s (%s) on http://%s:%d, %d model instance(s), %s", served.name, served.task,
                 args.host, args.port, instances, served.precision)
-    if spinning := openmp.describe():
+    if spinning := _openmp.describe():
         logger.info(spinning)
     if advice := allocator_advice():
         logger.warning(advice)

@@ -6,6 +6,8 @@ after a large request; ``allocator_advice`` says, at start-up, how to keep the g
 import ctypes
 import ctypes.util
 
+from .._openmp import process_maps
+
 LARGE_BODY = 1 << 20  # bytes: a request this large gives the memory it freed back when it is answered
 
 _trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # (glibc's; None elsewhere)
@@ -22,11 +24,7 @@ def allocator_advice() -> str | None:
     """What to say when this process allocates with glibc's malloc (None under tcmalloc or jemalloc, or where it
     cannot be told). A server's batches have a new shape nearly every time, and glibc's heap keeps growing with
     them, as it does under transformers; tcmalloc keeps the memory flat."""
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:
-        return None
+    maps = process_maps()
     if "libc.so" not in maps or "tcmalloc" in maps or "jemalloc" in maps:
         return None
     # (tcmalloc only: the allocator measured, benchmarks/memory.py)

@@ -1,0 +1,79 @@
+"""GNU OpenMP's idle workers under ``fastbert serve``: spin briefly, then sleep.
+
+After each parallel region libgomp's workers spin (``GOMP_SPINCOUNT``: 300,000 iterations unless set) before they
+sleep, so that the next region starts at once: right for a script, whose forwards follow each other. A server's
+model threads share the CPUs with its event loop and its tokenizing threads, and the spinning after each forward
+takes the CPU from the thread that answers the request and parses the next one. On a 2-core AMD EPYC (Zen 3), real
+all-MiniLM-L6-v2, the openai client on the same machine, two rounds each: with 10,000 iterations, concurrency-1 p50
+16.2 -> 14.8 and 15.7 -> 13.8 ms, concurrency 32 4,268 -> 4,761 and 4,246 -> 4,383 tokens/s; with no spinning at all
+(``OMP_WAIT_POLICY=PASSIVE``: a sleep and a wake-up per region) concurrency-1 p50 23.9 and 18.8 ms.
+
+libgomp reads the variable once, when torch loads it, so ``fastbert/__init__.py`` calls ``prepare`` before anything
+imports torch: in the ``fastbert serve`` command's own process (its console script, ``python -m fastbert serve``,
+told from the interpreter's command line, never from arguments other code set) it sets the variable where the user
+set neither ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY``. Nothing here imports more than ``os`` and ``sys``.
+"""
+
+import os
+import sys
+
+SPIN_COUNT = 10_000
+_VALUED_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")  # the interpreter's options that take the next argument
+_prepared = {"set": False, "torch_first": False}  # what ``prepare`` found, for ``describe``
+
+
+def serving_command(command_line: list[str]) -> bool:
+    """Whether the interpreter's ``command_line`` (``sys.orig_argv``) runs ``fastbert serve``: ``python [options] -m
+    fastbert serve ...`` or the console script (``python .../bin/fastbert serve ...``, as its shebang starts it)."""
+    arguments = iter(command_line[1:])
+    for argument in arguments:
+        if argument == "-m":
+            return next(arguments, None) in ("fastbert", "fastbert.__main__") and next(arguments, None) == "serve"
+        if argument.startswith("-c") or argument == "-":
+            return False
+        if argument in _VALUED_OPTIONS:
+            next(arguments, None)
+        elif not argument.startswith("-"):  # the script
+            return os.path.basename(argument) == "fastbert" and next(arguments, None) == "serve"
+    return False
+
+
+def prepare() -> None:
+    """In the ``fastbert serve`` command's process, before torch loads: ``GOMP_SPINCOUNT`` set to ``SPIN_COUNT``,
+    unless the user chose (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` set) or torch is loaded already."""
+    if (sys.platform != "linux" or "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
+            or not serving_command(getattr(sys, "orig_argv", []))):
+        return
+    if "torch" in sys.modules:
+        _prepared["torch_first"] = True
+        return
+    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    _prepared["set"] = True
+
+
+def describe() -> str | None:
+    """The start-up log's line on it, or None where torch does not run on GNU OpenMP."""
+    if not gnu_openmp():
+        return None
+    if _prepared["set"]:
+        return (f"OpenMP: idle workers spin {SPIN_COUNT:,} iterations, then sleep (GOMP_SPINCOUNT, set by fastbert "
+                "serve: the server's threads share the CPUs; set it yourself to choose)")
+    chosen = {name: os.environ[name] for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if name in os.environ}
+    if chosen:
+        return "OpenMP: " + ", ".join(f"{name}={value}" for name, value in chosen.items()) + " (yours)"
+    why = "torch was loaded before fastbert" if _prepared["torch_first"] else "not started as the command"
+    return f"OpenMP: GNU OpenMP's default spin count ({why}; GOMP_SPINCOUNT={SPIN_COUNT} serves faster)"
+
+
+def process_maps() -> str:
+    """This process's memory map (``/proc/self/maps``: the shared libraries it loaded), "" where there is none."""
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def gnu_openmp() -> bool:
+    """Whether torch runs on GNU OpenMP here (libgomp is loaded in this process)."""
+    return "libgomp" in process_maps()
