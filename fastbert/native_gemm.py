@@ -73,25 +73,29 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, act
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """act(x @ W^T + b), or x @ W^T + b + residual. A step of a CPU replay (``run.step``)."""
     panels, out = packed.panels, packed.out
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != panels.shape[1]:
+    # (is_cpu, `is`, one stride() call: a tenth of a microsecond each, for every GEMM of every forward and replay)
+    if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == panels.shape[1]):
         raise ValueError(f"x must be a float32 CPU tensor [tokens, {panels.shape[1]}], got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out,) or bias.device.type != "cpu"):
+    rows = x.shape[0]
+    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (out,)):
         raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype} on "
                          f"{bias.device}")
-    if residual is not None and (residual.dtype != torch.float32 or residual.shape != (x.shape[0], out)
-                                 or residual.device.type != "cpu"):
-        raise ValueError(f"residual must be float32 [{x.shape[0]}, {out}] on the CPU, got {tuple(residual.shape)} "
+    if residual is not None and not (residual.is_cpu and residual.dtype is torch.float32
+                                     and residual.shape == (rows, out)):
+        raise ValueError(f"residual must be float32 [{rows}, {out}] on the CPU, got {tuple(residual.shape)} "
                          f"{residual.dtype} on {residual.device}")
-    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+    row_stride, column_stride = x.stride()
+    if column_stride != 1 or (rows > 1 and row_stride < x.shape[1]):
         x = x.contiguous()
+        row_stride = x.stride(0)
     # (one row: torch calls it contiguous whatever its row stride, which the kernel never reads)
-    x_stride = x.stride(0) if x.shape[0] > 1 else x.shape[1]
-    bias = None if bias is None else bias.detach().contiguous()
+    x_stride = row_stride if rows > 1 else x.shape[1]
+    bias = None if bias is None else bias.contiguous()
     residual = None if residual is None else residual.contiguous()
     fused_gelu = residual is None and ACTIVATIONS.get(activation) == "gelu_erf"  # (the kernel's own epilogue)
-    y = x.new_empty((x.shape[0], out))
+    y = x.new_empty((rows, out))
     _extension._C.gemm_cpu(x.data_ptr(), x_stride, panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                           0 if residual is None else residual.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], out,
+                           0 if residual is None else residual.data_ptr(), y.data_ptr(), rows, x.shape[1], out,
                            torch.get_num_threads(), fused_gelu)
     return y if activation is None or fused_gelu else activation_ref(y, activation)

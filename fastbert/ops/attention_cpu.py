@@ -43,7 +43,7 @@ def attention_cpu_isas() -> list[str]:
 
 def _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa="", pos_key=None, pos_query=None,
                               index=None):
-    if qkv.device.type != "cpu" or qkv.dtype not in DTYPES or qkv.dim() != 4 or qkv.shape[1] != 3:
+    if not qkv.is_cpu or qkv.dtype not in DTYPES or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be a float32 or bfloat16 CPU tensor [tokens, 3, heads, head_dim], got "
                          f"{tuple(qkv.shape)} {qkv.dtype} on {qkv.device}")
     if any(length < 0 for length in seqlens) or sum(seqlens) != qkv.shape[0]:
@@ -73,14 +73,15 @@ def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", 
     _check_attention_cpu_args(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index)
     # (the kernel reads the bias and DeBERTa's tables in float32)
     relative_bias, pos_key, pos_query = (None if t is None else t.float() for t in (relative_bias, pos_key, pos_query))
-    reasons = attention_cpu_unavailable_reasons()
+    reasons = _attention_cpu_reasons()
     if reasons:
         raise RuntimeError(reasons[0])
     if spare_rows < 0:
         raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
     heads, head_dim = qkv.shape[2], qkv.shape[3]
-    out = qkv.new_empty(qkv.shape[0] + spare_rows, heads, head_dim)  # (spare rows zero: the packed layout's)
-    out[qkv.shape[0]:] = 0
+    out = qkv.new_empty(qkv.shape[0] + spare_rows, heads, head_dim)
+    if spare_rows:
+        out[qkv.shape[0]:] = 0  # (the packed layout's spare rows are zeros)
     rows = pos_key if pos_key is not None else pos_query
     _extension._C.attention_cpu(out.data_ptr(), qkv.data_ptr(), list(seqlens), heads, head_dim,
                                 0 if relative_bias is None else relative_bias.data_ptr(),
