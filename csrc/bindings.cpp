@@ -20,6 +20,7 @@
 #include "fingerprint.h"
 #include "gemm_cpu.h"
 #include "layer_norm_cpu.h"
+#include "module_tree.h"
 #include "quantize_cpu.h"
 
 namespace py = pybind11;
@@ -357,6 +358,10 @@ PYBIND11_MODULE(_C, m) {
         "A 64-bit hash of ~16 words sampled from each contiguous CPU buffer (pointers[i], nbytes[i] bytes; buffers "
         "of at most 128 bytes are read whole). Same positions for the same sizes: equal memory, equal hash.",
         py::arg("pointers"), py::arg("nbytes"));
+
+  m.def("module_tree", &fastbert::module_tree,
+        "A torch module tree's key, one entry per module (fastbert/plan.py's structure_ref, built natively).",
+        py::arg("model"));
 
   m.def("cuda_probe", &cuda_probe,
         "'' when the CUDA kernel can run on the current device, else why not (no kernel image for this GPU, "

@@ -24,8 +24,9 @@ transforms, a dispatch mode (fake tensors), and ops called outside a model forwa
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import dispatch, plain, run
+from . import _extension, dispatch, plain, run
 
+_module_tree = getattr(_extension._C, "module_tree", None)  # (a _C built before it has none)
 _conversions = 0  # moved by every .to()/.half()/... of a fastbert module (layers.Fused._apply)
 
 
@@ -85,7 +86,7 @@ def for_model(model, device: torch.device, dtype: torch.dtype, inputs_require_gr
     return plan
 
 
-def structure(model) -> tuple:
+def structure_ref(model) -> tuple:
     """Everything about ``model``'s module tree that a decision reads, one entry per module (holding the modules,
     so no module id in a plan is reused while it lives; parameters by id, class and ``requires_grad``)."""
     entries = []
@@ -105,6 +106,13 @@ def structure(model) -> tuple:
         if children:
             stack.extend([c for c in children if c is not None])
     return tuple(entries)
+
+
+def structure(model) -> tuple:
+    """``structure_ref(model)``, built by fastbert._C where it has ``module_tree`` (csrc/module_tree.cpp: the same
+    tuple with no Python bytecode per module, ~10x faster; bert-base has 228 modules, and this runs before every
+    forward)."""
+    return structure_ref(model) if _module_tree is None else _module_tree(model)
 
 
 def current() -> Plan | None:

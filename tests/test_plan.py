@@ -1,6 +1,7 @@
 """Forward plans (fastbert/plan.py): a forward reuses the previous one's decisions, and whatever they depend on —
 hooks, wrapped modules, training mode, requires_grad, settings, dtype — changes them at the very next forward."""
 
+import collections
 import copy
 
 import pytest
@@ -9,7 +10,7 @@ import transformers
 from test_model_api import right_padded
 
 import fastbert
-from fastbert import dispatch
+from fastbert import _extension, dispatch, plan
 
 
 @pytest.fixture
@@ -99,3 +100,34 @@ def test_settings_and_dtype_change_the_plan(pair, fastbert_env):
     fast.to(torch.bfloat16)
     _run(fast)
     assert fast.__dict__["_fastbert_plan"] is not plan
+
+
+def test_the_native_module_tree_is_the_reference(pair):
+    """fastbert._C's ``module_tree`` (csrc/module_tree.cpp) builds ``plan.structure_ref``'s tuple, field by field,
+    on a tree with hooks of every kind, a None parameter and a None child, dropouts' p, a forward set on an
+    instance, frozen parameters and an OrderedDict of children (as older torch kept); a module without nn.Module's
+    attributes raises the same KeyError."""
+    module_tree = getattr(_extension._C, "module_tree", None)
+    if module_tree is None:
+        pytest.skip("fastbert._C is not built here")
+    _, fast = pair
+    assert module_tree(fast) == plan.structure_ref(fast)
+    layer = fast.encoder.layer[0]
+    layer.attention.register_forward_hook(lambda *args: None)
+    layer.register_forward_pre_hook(lambda *args: None)
+    layer.output.register_full_backward_hook(lambda *args: None)
+    layer.output.register_full_backward_pre_hook(lambda *args: None)
+    layer.output.dense.bias.requires_grad_(False)
+    layer.output.dense.register_parameter("unused", None)
+    layer.register_module("absent", None)
+    layer.intermediate.forward = layer.intermediate.forward
+    layer.attention._modules = collections.OrderedDict(reversed(layer.attention._modules.items()))
+    fast.train()
+    built, reference = module_tree(fast), plan.structure_ref(fast)
+    assert built == reference
+    assert [entry[0] for entry in built] == [entry[0] for entry in reference]
+    broken = torch.nn.Module()
+    del broken.__dict__["training"]
+    for structure in (module_tree, plan.structure_ref):
+        with pytest.raises(KeyError, match="training"):
+            structure(broken)

@@ -1,0 +1,139 @@
+// See module_tree.h. Raw CPython calls with interned keys: the Python reference already runs near dict-lookup
+// speed, so anything slower per module (a key string made per lookup, pybind11's argument casts) loses to it.
+// Every object put in an entry is a new reference owned by that entry, so the children walked later stay alive
+// through their parent's entry whatever the walk reads.
+#include "module_tree.h"
+
+#include <vector>
+
+namespace py = pybind11;
+
+namespace fastbert {
+namespace {
+
+// A new reference, or the pending Python exception raised as a C++ one.
+PyObject* checked(PyObject* object) {
+  if (object == nullptr) throw py::error_already_set();
+  return object;
+}
+
+struct Keys {
+  PyObject *modules, *parameters, *training, *p, *forward, *requires_grad, *hooks[4];
+  Keys() {
+    modules = PyUnicode_InternFromString("_modules");
+    parameters = PyUnicode_InternFromString("_parameters");
+    training = PyUnicode_InternFromString("training");
+    p = PyUnicode_InternFromString("p");
+    forward = PyUnicode_InternFromString("forward");
+    requires_grad = PyUnicode_InternFromString("requires_grad");
+    const char* kinds[4] = {"_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"};
+    for (int i = 0; i < 4; ++i) hooks[i] = PyUnicode_InternFromString(kinds[i]);
+  }
+};
+
+const Keys& keys() {
+  static const Keys* interned = new Keys();  // (created under the GIL on first use, never freed)
+  return *interned;
+}
+
+// d[key] (borrowed); KeyError naming the attribute when the module lacks it.
+PyObject* item(PyObject* dict, PyObject* key) {
+  PyObject* value = PyDict_GetItemWithError(dict, key);
+  if (value == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+    throw py::error_already_set();
+  }
+  return value;
+}
+
+// tuple(mapping.values()) (new), in the mapping's own order (a plain dict, or an OrderedDict as older torch kept).
+PyObject* values_of(PyObject* mapping) {
+  if (PyDict_CheckExact(mapping)) {
+    PyObject* values = checked(PyTuple_New(PyDict_Size(mapping)));
+    Py_ssize_t position = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(mapping, &position, &key, &value)) {
+      Py_INCREF(value);
+      PyTuple_SET_ITEM(values, i++, value);
+    }
+    return values;
+  }
+  py::object listed = py::reinterpret_steal<py::object>(checked(PyMapping_Values(mapping)));
+  return checked(PySequence_Tuple(listed.ptr()));
+}
+
+bool truthy(PyObject* object) {
+  int truth = PyObject_IsTrue(object);
+  if (truth < 0) throw py::error_already_set();
+  return truth > 0;
+}
+
+// (tuple(forward hooks), tuple(forward pre-hooks), tuple(backward hooks), tuple(backward pre-hooks)) (new): their
+// handles' ids; None where all four are empty.
+PyObject* hooks_of(PyObject* dict) {
+  PyObject* hooks[4];
+  bool any = false;
+  for (int i = 0; i < 4; ++i) {
+    hooks[i] = item(dict, keys().hooks[i]);
+    any = truthy(hooks[i]) || any;
+  }
+  if (!any) Py_RETURN_NONE;
+  py::object handles = py::reinterpret_steal<py::object>(checked(PyTuple_New(4)));
+  for (int i = 0; i < 4; ++i) PyTuple_SET_ITEM(handles.ptr(), i, checked(PySequence_Tuple(hooks[i])));
+  return handles.release().ptr();
+}
+
+// tuple(None if p is None else (id(p), type(p), p.requires_grad) for p in parameters.values()) (new); None when
+// there are none.
+PyObject* parameters_of(PyObject* dict) {
+  PyObject* parameters = item(dict, keys().parameters);
+  if (!truthy(parameters)) Py_RETURN_NONE;
+  py::object values = py::reinterpret_steal<py::object>(values_of(parameters));
+  Py_ssize_t count = PyTuple_GET_SIZE(values.ptr());
+  py::object entries = py::reinterpret_steal<py::object>(checked(PyTuple_New(count)));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* p = PyTuple_GET_ITEM(values.ptr(), i);
+    if (p == Py_None) {
+      Py_INCREF(Py_None);
+      PyTuple_SET_ITEM(entries.ptr(), i, Py_None);
+      continue;
+    }
+    py::object requires_grad = py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(p, keys().requires_grad)));
+    py::object id = py::reinterpret_steal<py::object>(checked(PyLong_FromVoidPtr(p)));
+    PyObject* entry = checked(PyTuple_Pack(3, id.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(p)), requires_grad.ptr()));
+    PyTuple_SET_ITEM(entries.ptr(), i, entry);
+  }
+  return entries.release().ptr();
+}
+
+}  // namespace
+
+py::tuple module_tree(py::handle model) {
+  const Keys& key = keys();
+  py::list entries;
+  std::vector<PyObject*> stack{model.ptr()};  // (borrowed: each is held by its parent's entry, or is the model)
+  while (!stack.empty()) {
+    PyObject* module = stack.back();
+    stack.pop_back();
+    py::object dict = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(module, nullptr)));
+    PyObject* d = dict.ptr();
+    py::object children = py::reinterpret_steal<py::object>(values_of(item(d, key.modules)));
+    PyObject* p = PyDict_GetItemWithError(d, key.p);
+    if (p == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    int overridden = PyDict_Contains(d, key.forward);
+    if (overridden < 0) throw py::error_already_set();
+    py::object hooks = py::reinterpret_steal<py::object>(hooks_of(d));
+    py::object parameters = py::reinterpret_steal<py::object>(parameters_of(d));
+    py::object entry = py::reinterpret_steal<py::object>(checked(PyTuple_Pack(
+        8, module, reinterpret_cast<PyObject*>(Py_TYPE(module)), item(d, key.training), p == nullptr ? Py_None : p,
+        overridden ? Py_True : Py_False, children.ptr(), hooks.ptr(), parameters.ptr())));
+    if (PyList_Append(entries.ptr(), entry.ptr()) < 0) throw py::error_already_set();
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(children.ptr()); ++i) {
+      PyObject* child = PyTuple_GET_ITEM(children.ptr(), i);
+      if (child != Py_None) stack.push_back(child);  // (pushed in order: the last one is walked first)
+    }
+  }
+  return py::reinterpret_steal<py::tuple>(checked(PyList_AsTuple(entries.ptr())));
+}
+
+}  // namespace fastbert
