@@ -21,6 +21,7 @@
 #include "gemm_cpu.h"
 #include "layer_norm_cpu.h"
 #include "module_tree.h"
+#include "parameter_state.h"
 #include "quantize_cpu.h"
 
 namespace py = pybind11;
@@ -362,6 +363,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("module_tree", &fastbert::module_tree,
         "A torch module tree's key, one entry per module (fastbert/plan.py's structure_ref, built natively).",
         py::arg("model"));
+
+  m.def("parameter_state", &fastbert::parameter_state,
+        "(versions, layout, fingerprint) of the tensors in params (fastbert/derived.py's state_ref, less its epoch), "
+        "or None where a CPU tensor is not contiguous.",
+        py::arg("params"));
 
   m.def("cuda_probe", &cuda_probe,
         "'' when the CUDA kernel can run on the current device, else why not (no kernel image for this GPU, "

@@ -61,13 +61,25 @@ class _Entries(dict):
 
 # --- the state an entry is built from --------------------------------------------------------------------------
 
+_parameter_state = getattr(_extension._C, "parameter_state", None)  # (a _C built before it has none)
 _epoch = 0  # moved when an optimizer step could not move the versions it should have: every entry goes stale
 
 
 def state(params: tuple[torch.Tensor, ...]) -> tuple:
     """What ``params`` hold now, as far as it can be read cheaply: versions, storage addresses, dtypes, devices and,
-    on CPU, a fingerprint of their memory. Equal states: the derived tensor built from them is still right. (One
-    pass over the parameters: this runs for every cached weight of every forward.)"""
+    on CPU, a fingerprint of their memory. Equal states: the derived tensor built from them is still right. This
+    runs for every cached weight of every forward: fastbert._C reads it in one call where it can
+    (csrc/parameter_state.cpp: ``state_ref``'s tuple, ~5x faster)."""
+    if _parameter_state is not None:
+        read = _parameter_state(tuple(params))
+        if read is not None:
+            return (*read, _epoch)
+    return state_ref(params)
+
+
+def state_ref(params: tuple[torch.Tensor, ...]) -> tuple:
+    """``state`` in one pass of Python over the parameters (CPU tensors that are not contiguous sampled through
+    torch: ``_sampled``)."""
     versions, layout, snapshots = [], [], []
     for p in params:
         try:

@@ -341,3 +341,30 @@ def test_replaced_parameters_are_released_without_a_forward(gemm):
     assert all(ref() is None for ref in old)
     assert not _has_derived(fast)
     _assert_current(fast, hf)
+
+
+def test_the_native_parameter_state_is_the_reference():
+    """fastbert._C's ``parameter_state`` (csrc/parameter_state.cpp) gives ``derived.state_ref``'s tuple: parameters,
+    inference tensors (no version counter), bfloat16, empty and meta tensors, none at all; a write through ``.data``
+    (which moves no version) changes both alike; a CPU tensor that is not contiguous goes to the reference; an error
+    the reference raises is raised too."""
+    if getattr(derived._extension._C, "parameter_state", None) is None:
+        pytest.skip("fastbert._C is not built here")
+    linear = torch.nn.Linear(13, 7)
+    with torch.inference_mode():
+        frozen = torch.randn(5, 3)
+    cases = [tuple(linear.parameters()), (frozen,), (torch.randn(9, dtype=torch.bfloat16), torch.empty(0)), ()]
+    for params in cases:
+        assert derived.state(params) == derived.state_ref(params)
+    before = derived.state(tuple(linear.parameters()))
+    linear.bias.data[2] += 1.0  # (28 bytes: read whole)
+    after = derived.state(tuple(linear.parameters()))
+    assert after[0] == before[0] and after[2] != before[2] and after == derived.state_ref(tuple(linear.parameters()))
+    strided = torch.randn(4, 6).t()
+    assert derived._parameter_state((strided,)) is None and derived.state((strided,)) == derived.state_ref((strided,))
+    assert derived.state((torch.randn(3, device="meta"),)) == derived.state_ref((torch.randn(3, device="meta"),))
+    with pytest.raises(AttributeError) as native:
+        derived.state((torch.randn(3), "not a tensor"))
+    with pytest.raises(AttributeError) as reference:
+        derived.state_ref((torch.randn(3), "not a tensor"))
+    assert str(native.value) == str(reference.value)
