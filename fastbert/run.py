@@ -92,6 +92,17 @@ def real_rows(x: torch.Tensor) -> int | torch.Tensor:
     return x.shape[0] if run is None else run.real_rows(x)
 
 
+def token_rows(x: torch.Tensor):
+    """``real_rows(x)``, or the forward's layout itself where that is its token count (packed, or dense with every
+    token real): a step given the layout reads ``layout.tokens``, and a replay passes its own layout, so the program
+    serves other sequences of as many rows (``replay/``)."""
+    run = _get()
+    layout = None if run is None else run.layout
+    if layout is not None and (layout.packed or layout.key_padding_mask is None):
+        return layout
+    return real_rows(x)
+
+
 def count(what) -> None:
     """Add one to ``what`` in the tally of whoever watches the forward running here, if anyone does."""
     run = _get()

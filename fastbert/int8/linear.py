@@ -269,7 +269,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
            per_token: bool = False, static: tuple[float, int] | None = None,
            output: tuple[float, int] | None = None) -> torch.Tensor:
     """act(x @ W^T + b), or x @ W^T + b + residual, x quantized with the range of its ``rows`` (a count of leading
-    rows, or [R] indices; None: all), or with one scale per token (``per_token``: finer, and every row's result is
+    rows, or [R] indices, or a ``padding.TokenLayout``: its ``tokens`` leading rows; None: all), or with one scale
+    per token (``per_token``: finer, and every row's result is
     its own alone; the bias, activation and residual then run after the GEMM instead of in its epilogue), or with
     the fixed (scale, zero point) ``static`` (no range taken: one pass less over x). A u8 x is the input already
     quantized with ``static``. ``output``: (scale, zero point) of a u8 result, quantized by oneDNN after the
@@ -318,7 +319,8 @@ def _linear_u8(q: torch.Tensor, scale: float, zero_point: int, weight: Quantized
 def _per_call(x: torch.Tensor, rows: int | torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
               activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
     """x quantized with the range of its ``rows``, then ``_linear_u8`` (one step of a CPU replay: the scale is the
-    data's)."""
+    data's; given the layout, the step reads the token count of the layout each replay passes)."""
+    rows = rows if isinstance(rows, (int, torch.Tensor)) else rows.tokens
     q, scale, zero_point = quantize_activation(x, rows, weight.smooth)
     return _linear_u8(q, scale, zero_point, weight, bias, activation, residual, output)
 

@@ -120,7 +120,7 @@ def _int8_run(call: Call, x: torch.Tensor, residual: torch.Tensor | None = None)
             return int8_linear.quantize_weight(weight, choice.bits, choice.smooth), bias
 
         weight, bias = derived.cached(owner, "int8_stacked", parameters(call.linears), build)
-    return _epilogue(call, int8_linear.linear(x, weight, bias, call.activation, residual, run.real_rows(x),
+    return _epilogue(call, int8_linear.linear(x, weight, bias, call.activation, residual, run.token_rows(x),
                                               choice.per_token, choice.static))
 
 

@@ -68,7 +68,7 @@ def _int8_declines(call: Call, x: torch.Tensor) -> str | None:
 def _int8_run(call: Call, x: torch.Tensor) -> torch.Tensor:
     dense_in, dense_out = call.intermediate.dense, call.output.dense
     first, second = int8.chosen(dense_in), int8.chosen(dense_out)
-    h = int8_linear.linear(x, gemm.int8_weight(dense_in), dense_in.bias, call.activation, rows=run.real_rows(x),
+    h = int8_linear.linear(x, gemm.int8_weight(dense_in), dense_in.bias, call.activation, rows=run.token_rows(x),
                            static=first.static, output=second.static)  # u8 [tokens, intermediate]
     y = int8_linear.linear(h, gemm.int8_weight(dense_out), dense_out.bias, residual=x, static=second.static)
     return norm.handing_off(call.output.LayerNorm, y)

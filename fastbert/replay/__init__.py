@@ -20,9 +20,10 @@ recorded once as the list of its *steps*, and the next forwards of that plan and
   (``program.py``). Otherwise that forward runs op by op and is captured again. A dense batch's shape is its batch
   and length. A packed batch's is its number of rows (and whether it has spare rows): the steps that depend on its
   sequences take the layout itself (the attention's), which each replay passes anew, so a server's batches of
-  varied sequences (their rows bucketed, ``padding.bucket_rows``) meet programs. Where a step took what only these
-  sequences give (the int8 GEMMs take the token count, the int8 attention the lengths: ``Capture.bound``), the
-  program serves these very sequences, and that number of rows keeps programs per sequences. A derived weight
+  varied sequences (their rows bucketed, ``padding.bucket_rows``) meet programs (the int8 GEMMs, whose range is
+  their input's real tokens, read the token count from the layout too: ``run.token_rows``). Where a step took what
+  only these sequences give (the int8 attention takes the lengths: ``Capture.bound``), the program serves these
+  very sequences, and that number of rows keeps programs per sequences. A derived weight
   rebuilt or dropped anywhere drops every program (``derived.when_replaced``), so none keeps an old one alive.
 - **Not replayed**: forwards with gradients, ``output_hidden_states``, a padded dense batch (its rows are data),
   the int8 guard's recording forwards, and every forward that is not planned (torch.compile, export, torch.func).
