@@ -39,28 +39,29 @@ uint64_t fold(uint64_t h, uint64_t word) { return mix(h ^ word) + 0x9e3779b97f4a
 
 }  // namespace
 
-uint64_t fingerprint(const std::vector<std::uintptr_t>& pointers, const std::vector<int64_t>& nbytes) {
-  uint64_t h = 0x6a09e667f3bcc908ull;
-  for (size_t t = 0; t < pointers.size(); ++t) {
-    const auto* data = reinterpret_cast<const unsigned char*>(pointers[t]);
-    const int64_t size = nbytes[t];
-    h = fold(h, static_cast<uint64_t>(size));
-    if (size <= 0) continue;
-    if (size <= kWholeBytes) {
-      int64_t i = 0;
-      for (; i + 8 <= size; i += 8) h = fold(h, load_word(data + i));
-      for (; i < size; ++i) h = fold(h, data[i]);
-      continue;
-    }
-    const int64_t words = size / 8;
-    for (int64_t i = 0; i < kSamples; ++i) {
-      // frac(i * phi) spreads the samples evenly without a regular stride
-      const double position = static_cast<double>(i) * 0.6180339887498949;
-      const int64_t word = static_cast<int64_t>((position - static_cast<int64_t>(position)) * words);
-      h = fold(h, load_word(data + 8 * word));
-    }
-    h = fold(h, load_word(data + size - 8));
+uint64_t fingerprint_add(uint64_t h, std::uintptr_t pointer, int64_t nbytes) {
+  const auto* data = reinterpret_cast<const unsigned char*>(pointer);
+  h = fold(h, static_cast<uint64_t>(nbytes));
+  if (nbytes <= 0) return h;
+  if (nbytes <= kWholeBytes) {
+    int64_t i = 0;
+    for (; i + 8 <= nbytes; i += 8) h = fold(h, load_word(data + i));
+    for (; i < nbytes; ++i) h = fold(h, data[i]);
+    return h;
   }
+  const int64_t words = nbytes / 8;
+  for (int64_t i = 0; i < kSamples; ++i) {
+    // frac(i * phi) spreads the samples evenly without a regular stride
+    const double position = static_cast<double>(i) * 0.6180339887498949;
+    const int64_t word = static_cast<int64_t>((position - static_cast<int64_t>(position)) * words);
+    h = fold(h, load_word(data + 8 * word));
+  }
+  return fold(h, load_word(data + nbytes - 8));
+}
+
+uint64_t fingerprint(const std::vector<std::uintptr_t>& pointers, const std::vector<int64_t>& nbytes) {
+  uint64_t h = kFingerprintSeed;
+  for (size_t t = 0; t < pointers.size(); ++t) h = fingerprint_add(h, pointers[t], nbytes[t]);
   return h;
 }
 

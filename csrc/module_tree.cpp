@@ -1,7 +1,8 @@
 // See module_tree.h. Raw CPython calls with interned keys: the Python reference already runs near dict-lookup
 // speed, so anything slower per module (a key string made per lookup, pybind11's argument casts) loses to it.
 // Every object put in an entry is a new reference owned by that entry, so the children walked later stay alive
-// through their parent's entry whatever the walk reads.
+// through their parent's entry whatever the walk reads. Every value read is held at once: any allocation can run
+// the garbage collector, whose finalizers (or the threads they let in) may reassign what was borrowed.
 #include "module_tree.h"
 
 #include <vector>
@@ -49,14 +50,18 @@ PyObject* item(PyObject* dict, PyObject* key) {
 // tuple(mapping.values()) (new), in the mapping's own order (a plain dict, or an OrderedDict as older torch kept).
 PyObject* values_of(PyObject* mapping) {
   if (PyDict_CheckExact(mapping)) {
-    PyObject* values = checked(PyTuple_New(PyDict_Size(mapping)));
-    Py_ssize_t position = 0, i = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(mapping, &position, &key, &value)) {
-      Py_INCREF(value);
-      PyTuple_SET_ITEM(values, i++, value);
+    const Py_ssize_t size = PyDict_Size(mapping);
+    PyObject* values = checked(PyTuple_New(size));
+    if (PyDict_Size(mapping) == size) {  // (making the tuple can run the collector, whose finalizers may add or drop)
+      Py_ssize_t position = 0, i = 0;
+      PyObject *key, *value;
+      while (i < size && PyDict_Next(mapping, &position, &key, &value)) {  // (nothing here runs Python code)
+        Py_INCREF(value);
+        PyTuple_SET_ITEM(values, i++, value);
+      }
+      return values;
     }
-    return values;
+    Py_DECREF(values);
   }
   py::object listed = py::reinterpret_steal<py::object>(checked(PyMapping_Values(mapping)));
   return checked(PySequence_Tuple(listed.ptr()));
@@ -70,23 +75,18 @@ bool truthy(PyObject* object) {
 
 // (tuple(forward hooks), tuple(forward pre-hooks), tuple(backward hooks), tuple(backward pre-hooks)) (new): their
 // handles' ids; None where all four are empty.
-PyObject* hooks_of(PyObject* dict) {
-  PyObject* hooks[4];
+PyObject* hooks_of(const py::object (&hooks)[4]) {
   bool any = false;
-  for (int i = 0; i < 4; ++i) {
-    hooks[i] = item(dict, keys().hooks[i]);
-    any = truthy(hooks[i]) || any;
-  }
+  for (const auto& kind : hooks) any = truthy(kind.ptr()) || any;
   if (!any) Py_RETURN_NONE;
   py::object handles = py::reinterpret_steal<py::object>(checked(PyTuple_New(4)));
-  for (int i = 0; i < 4; ++i) PyTuple_SET_ITEM(handles.ptr(), i, checked(PySequence_Tuple(hooks[i])));
+  for (int i = 0; i < 4; ++i) PyTuple_SET_ITEM(handles.ptr(), i, checked(PySequence_Tuple(hooks[i].ptr())));
   return handles.release().ptr();
 }
 
 // tuple(None if p is None else (id(p), type(p), p.requires_grad) for p in parameters.values()) (new); None when
 // there are none.
-PyObject* parameters_of(PyObject* dict) {
-  PyObject* parameters = item(dict, keys().parameters);
+PyObject* parameters_of(PyObject* parameters) {
   if (!truthy(parameters)) Py_RETURN_NONE;
   py::object values = py::reinterpret_steal<py::object>(values_of(parameters));
   Py_ssize_t count = PyTuple_GET_SIZE(values.ptr());
@@ -98,9 +98,10 @@ PyObject* parameters_of(PyObject* dict) {
       PyTuple_SET_ITEM(entries.ptr(), i, Py_None);
       continue;
     }
+    py::object type = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(Py_TYPE(p)));
     py::object requires_grad = py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(p, keys().requires_grad)));
     py::object id = py::reinterpret_steal<py::object>(checked(PyLong_FromVoidPtr(p)));
-    PyObject* entry = checked(PyTuple_Pack(3, id.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(p)), requires_grad.ptr()));
+    PyObject* entry = checked(PyTuple_Pack(3, id.ptr(), type.ptr(), requires_grad.ptr()));
     PyTuple_SET_ITEM(entries.ptr(), i, entry);
   }
   return entries.release().ptr();
@@ -117,16 +118,25 @@ py::tuple module_tree(py::handle model) {
     stack.pop_back();
     py::object dict = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(module, nullptr)));
     PyObject* d = dict.ptr();
-    py::object children = py::reinterpret_steal<py::object>(values_of(item(d, key.modules)));
-    PyObject* p = PyDict_GetItemWithError(d, key.p);
-    if (p == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    // (read in the reference's order, so a module that lacks one raises the same KeyError; each value held from
+    // the moment it is read: what runs later, a requires_grad property or the collector, may reassign it)
+    py::object type = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(Py_TYPE(module)));
+    py::object modules = py::reinterpret_borrow<py::object>(item(d, key.modules));
+    py::object children = py::reinterpret_steal<py::object>(values_of(modules.ptr()));
+    py::object parameters = py::reinterpret_borrow<py::object>(item(d, key.parameters));
+    py::object hooks[4];
+    for (int i = 0; i < 4; ++i) hooks[i] = py::reinterpret_borrow<py::object>(item(d, key.hooks[i]));
+    py::object training = py::reinterpret_borrow<py::object>(item(d, key.training));
+    PyObject* found = PyDict_GetItemWithError(d, key.p);
+    if (found == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    py::object p = found == nullptr ? py::none() : py::reinterpret_borrow<py::object>(found);
     int overridden = PyDict_Contains(d, key.forward);
     if (overridden < 0) throw py::error_already_set();
-    py::object hooks = py::reinterpret_steal<py::object>(hooks_of(d));
-    py::object parameters = py::reinterpret_steal<py::object>(parameters_of(d));
+    py::object hook_handles = py::reinterpret_steal<py::object>(hooks_of(hooks));
+    py::object parameter_keys = py::reinterpret_steal<py::object>(parameters_of(parameters.ptr()));
     py::object entry = py::reinterpret_steal<py::object>(checked(PyTuple_Pack(
-        8, module, reinterpret_cast<PyObject*>(Py_TYPE(module)), item(d, key.training), p == nullptr ? Py_None : p,
-        overridden ? Py_True : Py_False, children.ptr(), hooks.ptr(), parameters.ptr())));
+        8, module, type.ptr(), training.ptr(), p.ptr(),
+        overridden ? Py_True : Py_False, children.ptr(), hook_handles.ptr(), parameter_keys.ptr())));
     if (PyList_Append(entries.ptr(), entry.ptr()) < 0) throw py::error_already_set();
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(children.ptr()); ++i) {
       PyObject* child = PyTuple_GET_ITEM(children.ptr(), i);

@@ -3,7 +3,6 @@
 #include "parameter_state.h"
 
 #include <cstdint>
-#include <vector>
 
 #include "fingerprint.h"
 
@@ -69,24 +68,32 @@ py::object parameter_state(py::tuple params) {
   const Names& name = names();
   const size_t count = params.size();
   py::tuple versions(count), layout(count);
-  std::vector<std::uintptr_t> pointers;
-  std::vector<int64_t> sizes;
+  uint64_t hash = kFingerprintSeed;
   bool all_cpu = count > 0;
   for (size_t i = 0; i < count; ++i) {
     PyObject* p = params[i].ptr();
     versions[i] = version_of(p);
-    py::object address = call(p, name.data_ptr);
-    bool cpu = attribute(p, name.is_cpu).ptr() == Py_True;
+    py::object dtype = attribute(p, name.dtype), device = attribute(p, name.device);
+    const bool cpu = attribute(p, name.is_cpu).ptr() == Py_True;
+    int64_t nbytes = 0;
     if (cpu) {
-      if (call(p, name.is_contiguous).ptr() != Py_True) return py::none();
-      pointers.push_back(address.cast<std::uintptr_t>());
-      sizes.push_back(attribute(p, name.nbytes).cast<int64_t>());
+      if (call(p, name.is_contiguous).ptr() != Py_True) return py::none();  // (the reference samples it via torch)
+      nbytes = attribute(p, name.nbytes).cast<int64_t>();
+    }
+    // The address last, and its memory read before anything else is allocated: an allocation can run the garbage
+    // collector, whose finalizers (or the thread they let in) could swap the tensor's storage and free this one.
+    // (The Python int it comes back as is not collected: making it runs nothing.)
+    py::object address = call(p, name.data_ptr);
+    if (cpu) {
+      const auto pointer = PyLong_AsUnsignedLongLong(address.ptr());
+      if (PyErr_Occurred()) throw py::error_already_set();
+      if (nbytes < 0 || (nbytes > 0 && pointer == 0)) return py::none();  // (freed storage: the reference says so)
+      hash = fingerprint_add(hash, static_cast<std::uintptr_t>(pointer), nbytes);
     }
     all_cpu = all_cpu && cpu;
-    layout[i] = py::make_tuple(address, attribute(p, name.dtype), attribute(p, name.device));
+    layout[i] = py::make_tuple(address, dtype, device);
   }
-  py::object hash = all_cpu ? py::object(py::int_(fingerprint(pointers, sizes))) : py::object(py::none());
-  return py::make_tuple(versions, layout, hash);
+  return py::make_tuple(versions, layout, all_cpu ? py::object(py::int_(hash)) : py::object(py::none()));
 }
 
 }  // namespace fastbert

@@ -8,8 +8,9 @@
 namespace fastbert {
 
 // (versions, layout, fingerprint) as ``state_ref`` builds them, less its epoch; None where a CPU tensor is not
-// contiguous (``state_ref`` samples those through torch). The GIL is held throughout, so no Python code can swap a
-// tensor's storage between reading its address and sampling its memory (the reference holds a detached view).
+// contiguous (``state_ref`` samples those through torch) or has no memory behind it (the reference raises). Each
+// CPU tensor's memory is sampled as soon as its address is read, before anything that could run Python code (the
+// reference holds a detached view instead).
 pybind11::object parameter_state(pybind11::tuple params);
 
 }  // namespace fastbert

@@ -19,33 +19,42 @@ import sys
 
 SPIN_COUNT = 10_000
 _VALUED_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")  # the interpreter's options that take the next argument
-_prepared = {"set": False, "torch_first": False}  # what ``prepare`` found, for ``describe``
+_prepared = {"set": False, "too_late": False}  # what ``prepare`` found, for ``describe``
 
 
 def serving_command(command_line: list[str]) -> bool:
     """Whether the interpreter's ``command_line`` (``sys.orig_argv``) runs ``fastbert serve``: ``python [options] -m
-    fastbert serve ...`` or the console script (``python .../bin/fastbert serve ...``, as its shebang starts it)."""
+    fastbert serve ...`` or the console script (``python .../bin/fastbert serve ...``, as its shebang starts it).
+    Options are read as the interpreter reads them (``-m``, ``-c``, ``-W`` and ``-X`` take the rest of their argument
+    or the next one)."""
     arguments = iter(command_line[1:])
     for argument in arguments:
-        if argument == "-m":
-            return next(arguments, None) in ("fastbert", "fastbert.__main__") and next(arguments, None) == "serve"
-        if argument.startswith("-c") or argument == "-":
-            return False
-        if argument in _VALUED_OPTIONS:
-            next(arguments, None)
-        elif not argument.startswith("-"):  # the script
+        if argument == "-" or not argument.startswith("-"):  # (standard input, or the script)
             return os.path.basename(argument) == "fastbert" and next(arguments, None) == "serve"
+        if argument.startswith("--"):
+            if argument == "--check-hash-based-pycs":
+                next(arguments, None)
+            continue
+        for at, flag in enumerate(argument[1:], start=2):
+            value = argument[at:]
+            if flag in "cm":
+                module = value or next(arguments, None)
+                return flag == "m" and module in ("fastbert", "fastbert.__main__") and next(arguments, None) == "serve"
+            if flag in "WX":
+                if not value:
+                    next(arguments, None)
+                break
     return False
 
 
 def prepare() -> None:
     """In the ``fastbert serve`` command's process, before torch loads: ``GOMP_SPINCOUNT`` set to ``SPIN_COUNT``,
-    unless the user chose (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` set) or torch is loaded already."""
+    unless the user chose (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` set) or torch or GNU OpenMP is loaded already."""
     if (sys.platform != "linux" or "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
             or not serving_command(getattr(sys, "orig_argv", []))):
         return
-    if "torch" in sys.modules:
-        _prepared["torch_first"] = True
+    if "torch" in sys.modules or "libgomp" in process_maps():  # (read once, when it loads: too late to set)
+        _prepared["too_late"] = True
         return
     os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     _prepared["set"] = True
@@ -61,7 +70,7 @@ def describe() -> str | None:
     chosen = {name: os.environ[name] for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if name in os.environ}
     if chosen:
         return "OpenMP: " + ", ".join(f"{name}={value}" for name, value in chosen.items()) + " (yours)"
-    why = "torch was loaded before fastbert" if _prepared["torch_first"] else "not started as the command"
+    why = "GNU OpenMP was loaded before fastbert" if _prepared["too_late"] else "not started as the command"
     return f"OpenMP: GNU OpenMP's default spin count ({why}; GOMP_SPINCOUNT={SPIN_COUNT} serves faster)"
 
 

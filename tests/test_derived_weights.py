@@ -346,8 +346,8 @@ def test_replaced_parameters_are_released_without_a_forward(gemm):
 def test_the_native_parameter_state_is_the_reference():
     """fastbert._C's ``parameter_state`` (csrc/parameter_state.cpp) gives ``derived.state_ref``'s tuple: parameters,
     inference tensors (no version counter), bfloat16, empty and meta tensors, none at all; a write through ``.data``
-    (which moves no version) changes both alike; a CPU tensor that is not contiguous goes to the reference; an error
-    the reference raises is raised too."""
+    (which moves no version) changes both alike; a CPU tensor that is not contiguous, or whose memory was freed,
+    goes to the reference; an error the reference raises is raised too."""
     if getattr(derived._extension._C, "parameter_state", None) is None:
         pytest.skip("fastbert._C is not built here")
     linear = torch.nn.Linear(13, 7)
@@ -363,6 +363,11 @@ def test_the_native_parameter_state_is_the_reference():
     strided = torch.randn(4, 6).t()
     assert derived._parameter_state((strided,)) is None and derived.state((strided,)) == derived.state_ref((strided,))
     assert derived.state((torch.randn(3, device="meta"),)) == derived.state_ref((torch.randn(3, device="meta"),))
+    freed = torch.nn.Parameter(torch.randn(64, 64))
+    freed.untyped_storage().resize_(0)  # (as FSDP frees a sharded parameter's memory: an address of 0, nbytes kept)
+    for state in (derived.state, derived.state_ref):
+        with pytest.raises(ValueError, match="null data pointer"):
+            state((freed,))
     with pytest.raises(AttributeError) as native:
         derived.state((torch.randn(3), "not a tensor"))
     with pytest.raises(AttributeError) as reference:

@@ -409,6 +409,11 @@ def test_the_command_sets_gnu_openmps_spin_count(yours, tmp_path):
 @pytest.mark.parametrize("command_line, serving", [
     (["python", "-m", "fastbert", "serve", "model"], True),
     (["python", "-X", "importtime", "-E", "-m", "fastbert", "serve", "model"], True),
+    (["python", "-mfastbert", "serve", "model"], True),
+    (["python", "-EW", "ignore", "-Xdev", "-m", "fastbert", "serve", "model"], True),
+    (["python", "-Im", "fastbert", "serve", "model"], True),
+    (["python", "-Em", "pytest", "fastbert", "serve"], False),
+    (["python", "-Ec", "import fastbert", "fastbert", "serve"], False),
     (["/venv/bin/python", "/venv/bin/fastbert", "serve", "--port", "8000", "model"], True),
     (["python", "-m", "fastbert", "info"], False),
     (["/venv/bin/python", "/venv/bin/fastbert", "--version"], False),
