@@ -69,7 +69,7 @@ def state(params: tuple[torch.Tensor, ...]) -> tuple:
     """What ``params`` hold now, as far as it can be read cheaply: versions, storage addresses, dtypes, devices and,
     on CPU, a fingerprint of their memory. Equal states: the derived tensor built from them is still right. This
     runs for every cached weight of every forward: fastbert._C reads it in one call where it can
-    (csrc/parameter_state.cpp: ``state_ref``'s tuple, ~5x faster)."""
+    (csrc/parameter_state.cpp: ``state_ref``'s tuple, 2-2.5x faster)."""
     if _parameter_state is not None:
         read = _parameter_state(tuple(params))
         if read is not None:

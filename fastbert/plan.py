@@ -110,7 +110,7 @@ def structure_ref(model) -> tuple:
 
 def structure(model) -> tuple:
     """``structure_ref(model)``, built by fastbert._C where it has ``module_tree`` (csrc/module_tree.cpp: the same
-    tuple with no Python bytecode per module, ~10x faster; bert-base has 228 modules, and this runs before every
+    tuple with no Python bytecode per module, 2-3x faster; bert-base has 228 modules, and this runs before every
     forward)."""
     return structure_ref(model) if _module_tree is None else _module_tree(model)
 
