@@ -18,7 +18,6 @@ import os
 import sys
 
 SPIN_COUNT = 10_000
-_VALUED_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")  # the interpreter's options that take the next argument
 _prepared = {"set": False, "too_late": False}  # what ``prepare`` found, for ``describe``
 
 

@@ -97,10 +97,8 @@ def token_rows(x: torch.Tensor):
     token real): a step given the layout reads ``layout.tokens``, and a replay passes its own layout, so the program
     serves other sequences of as many rows (``replay/``)."""
     run = _get()
-    layout = None if run is None else run.layout
-    if layout is not None and (layout.packed or layout.key_padding_mask is None):
-        return layout
-    return real_rows(x)
+    rows = real_rows(x)
+    return run.layout if run is not None and run.layout is not None and type(rows) is int else rows
 
 
 def count(what) -> None:

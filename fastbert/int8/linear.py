@@ -270,11 +270,11 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
            output: tuple[float, int] | None = None) -> torch.Tensor:
     """act(x @ W^T + b), or x @ W^T + b + residual, x quantized with the range of its ``rows`` (a count of leading
     rows, or [R] indices, or a ``padding.TokenLayout``: its ``tokens`` leading rows; None: all), or with one scale
-    per token (``per_token``: finer, and every row's result is
-    its own alone; the bias, activation and residual then run after the GEMM instead of in its epilogue), or with
-    the fixed (scale, zero point) ``static`` (no range taken: one pass less over x). A u8 x is the input already
-    quantized with ``static``. ``output``: (scale, zero point) of a u8 result, quantized by oneDNN after the
-    activation (the next GEMM's static input: no float32 result is written), float32 otherwise."""
+    per token (``per_token``: finer, and every row's result is its own alone; the bias, activation and residual then
+    run after the GEMM instead of in its epilogue), or with the fixed (scale, zero point) ``static`` (no range taken:
+    one pass less over x). A u8 x is the input already quantized with ``static``. ``output``: (scale, zero point) of
+    a u8 result, quantized by oneDNN after the activation (the next GEMM's static input: no float32 result is
+    written), float32 otherwise."""
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.uint8) or x.shape[1] != weight.in_features:
         raise ValueError(f"x must be float32 (or u8, quantized) [tokens, {weight.in_features}], got {tuple(x.shape)} "
                          f"{x.dtype}")
@@ -316,7 +316,7 @@ def _linear_u8(q: torch.Tensor, scale: float, zero_point: int, weight: Quantized
 
 
 @run.step
-def _per_call(x: torch.Tensor, rows: int | torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+def _per_call(x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor | None,
               activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
     """x quantized with the range of its ``rows``, then ``_linear_u8`` (one step of a CPU replay: the scale is the
     data's; given the layout, the step reads the token count of the layout each replay passes)."""
