@@ -165,7 +165,7 @@ setup(
             "fastbert._C",
             ["csrc/bindings.cpp", "csrc/attention_cpu.cpp", "csrc/attention_int8_cpu.cpp",
              "csrc/embedding_layer_norm_cpu.cpp", "csrc/fingerprint.cpp", "csrc/gemm_cpu.cpp",
-             "csrc/layer_norm_cpu.cpp", "csrc/module_tree.cpp", "csrc/parameter_state.cpp",
+             "csrc/gemm_int8_cpu.cpp", "csrc/layer_norm_cpu.cpp", "csrc/module_tree.cpp", "csrc/parameter_state.cpp",
              "csrc/quantize_cpu.cpp"],
             include_dirs=["csrc"],
             cxx_std=17,

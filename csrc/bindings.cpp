@@ -19,6 +19,7 @@
 #include "embedding_layer_norm.h"
 #include "fingerprint.h"
 #include "gemm_cpu.h"
+#include "gemm_int8_cpu.h"
 #include "layer_norm_cpu.h"
 #include "module_tree.h"
 #include "parameter_state.h"
@@ -196,6 +197,74 @@ void gemm_cpu(std::uintptr_t x, int64_t x_stride, std::uintptr_t packed, std::ui
                      num_threads);
 }
 
+// The int8 GEMM's arguments after the checks every caller shares (x is set by the caller).
+fastbert::GemmInt8CpuArgs int8_gemm_args(std::uintptr_t packed, std::uintptr_t column_sums, std::uintptr_t scales,
+                                         std::uintptr_t bias, std::uintptr_t residual, std::uintptr_t y,
+                                         std::uintptr_t y_u8, double y_scale, int64_t y_zero_point, int64_t rows,
+                                         int64_t in, int64_t out, bool gelu) {
+  if (rows < 0 || in < 0 || out < 0) throw std::invalid_argument("rows, in, out must be >= 0");
+  if (gelu && residual) throw std::invalid_argument("gelu with a residual");
+  if (y_u8 && (!(y_scale > 0 && y_scale < INFINITY) || y_zero_point < 0 || y_zero_point > 255))
+    throw std::invalid_argument("y_scale finite and > 0, y_zero_point in [0, 255]");
+  if (rows * out > 0 && ((!y && !y_u8) || (y && y_u8) || !packed || !column_sums || !scales))
+    throw std::invalid_argument("null data pointer, or both y and y_u8");
+  fastbert::GemmInt8CpuArgs a{};
+  a.packed = reinterpret_cast<const int8_t*>(packed);
+  a.column_sums = reinterpret_cast<const int32_t*>(column_sums);
+  a.scales = reinterpret_cast<const float*>(scales);
+  a.bias = reinterpret_cast<const float*>(bias);
+  a.residual = reinterpret_cast<const float*>(residual);
+  a.y = reinterpret_cast<float*>(y);
+  a.y_u8 = reinterpret_cast<uint8_t*>(y_u8);
+  a.y_scale = static_cast<float>(y_scale);
+  a.y_zero_point = static_cast<int32_t>(y_zero_point);
+  a.rows = rows, a.in = in, a.out = out, a.gelu = gelu;
+  return a;
+}
+
+void gemm_int8_cpu(std::uintptr_t x, int64_t x_stride, std::uintptr_t packed, std::uintptr_t column_sums,
+                   std::uintptr_t scales, double x_scale, int64_t x_zero_point, std::uintptr_t bias,
+                   std::uintptr_t residual, std::uintptr_t y, std::uintptr_t y_u8, double y_scale,
+                   int64_t y_zero_point, int64_t rows, int64_t in, int64_t out, int num_threads, bool gelu) {
+  fastbert::GemmInt8CpuArgs a = int8_gemm_args(packed, column_sums, scales, bias, residual, y, y_u8, y_scale,
+                                               y_zero_point, rows, in, out, gelu);
+  if (x_stride < in) throw std::invalid_argument("x_stride must be >= in");
+  if (!(x_scale > 0 && x_scale < INFINITY) || x_zero_point < 0 || x_zero_point > 255)
+    throw std::invalid_argument("x_scale finite and > 0, x_zero_point in [0, 255]");
+  if (rows * out == 0) return;
+  if (in > 0 && !x) throw std::invalid_argument("null data pointer");
+  a.x = reinterpret_cast<const uint8_t*>(x), a.x_stride = x_stride;
+  a.x_scale = static_cast<float>(x_scale), a.x_zero_point = static_cast<int32_t>(x_zero_point);
+  fastbert::gemm_int8_cpu(a, num_threads);
+}
+
+// quantize_per_call_cpu of float32 x (contiguous), then gemm_int8_cpu of its bytes, in one call: the u8 goes to this
+// thread's scratch memory (kept up to kScratchBytes: a fresh allocation pays its page faults on every call).
+std::pair<double, int64_t> gemm_int8_per_call_cpu(
+    std::uintptr_t x, std::uintptr_t smooth, std::uintptr_t real_index, int64_t real_rows, std::uintptr_t packed,
+    std::uintptr_t column_sums, std::uintptr_t scales, std::uintptr_t bias, std::uintptr_t residual, std::uintptr_t y,
+    std::uintptr_t y_u8, double y_scale, int64_t y_zero_point, int64_t rows, int64_t in, int64_t out,
+    int num_threads, bool gelu) {
+  constexpr size_t kScratchBytes = size_t{64} << 20;
+  thread_local std::vector<uint8_t> scratch;
+  fastbert::GemmInt8CpuArgs a = int8_gemm_args(packed, column_sums, scales, bias, residual, y, y_u8, y_scale,
+                                               y_zero_point, rows, in, out, gelu);
+  const size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(in);
+  std::vector<uint8_t> large;
+  std::vector<uint8_t>& q = bytes <= kScratchBytes ? scratch : large;
+  if (q.size() < bytes) q.resize(bytes);
+  double scale = 1.0;
+  int64_t zero_point = 0;
+  fastbert::quantize_per_call_cpu(quantize_args(x, reinterpret_cast<std::uintptr_t>(q.data()), rows, in, smooth,
+                                                real_index, real_rows),
+                                  &scale, &zero_point, num_threads);
+  if (rows * out == 0) return {scale, zero_point};
+  a.x = q.data(), a.x_stride = in;
+  a.x_scale = static_cast<float>(scale), a.x_zero_point = static_cast<int32_t>(zero_point);
+  fastbert::gemm_int8_cpu(a, num_threads);
+  return {scale, zero_point};
+}
+
 void layer_norm_cpu(std::uintptr_t x, std::uintptr_t y, std::uintptr_t weight, std::uintptr_t bias, int64_t rows,
                     int64_t cols, double eps, std::uintptr_t q, std::uintptr_t smooth, double scale,
                     int64_t zero_point, int num_threads, const std::string& isa) {
@@ -334,6 +403,25 @@ PYBIND11_MODULE(_C, m) {
         py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("rows"), py::arg("cols"),
         py::arg("eps"), py::arg("q"), py::arg("smooth"), py::arg("scale"), py::arg("zero_point"),
         py::arg("num_threads"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
+
+  m.def("gemm_int8_cpu", &gemm_int8_cpu,
+        "y [rows, out] = (u8 x [rows, in] (row stride x_stride) - x_zero_point) @ W^T * (x_scale * scales) + bias "
+        "(+ residual; either 0: none), W 7-bit s8 prepacked as [ceil(out / 16), ceil(in / 4), 16, 4] with its "
+        "column_sums (gemm_int8_cpu.h); gelu: GELU (erf form) after the bias; into float32 y or, quantized with "
+        "y_scale and y_zero_point, u8 y_u8 (the other 0). RuntimeError on a CPU without AVX2 and FMA.",
+        py::arg("x"), py::arg("x_stride"), py::arg("packed"), py::arg("column_sums"), py::arg("scales"),
+        py::arg("x_scale"), py::arg("x_zero_point"), py::arg("bias"), py::arg("residual"), py::arg("y"),
+        py::arg("y_u8"), py::arg("y_scale"), py::arg("y_zero_point"), py::arg("rows"), py::arg("in"), py::arg("out"),
+        py::arg("num_threads"), py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_int8_per_call_cpu", &gemm_int8_per_call_cpu,
+        "quantize_per_call_cpu of float32 x [rows, in] (contiguous; smooth, real_index, real_rows as there), then "
+        "gemm_int8_cpu of its bytes with the scale and zero point it took, which it returns.",
+        py::arg("x"), py::arg("smooth"), py::arg("real_index"), py::arg("real_rows"), py::arg("packed"),
+        py::arg("column_sums"), py::arg("scales"), py::arg("bias"), py::arg("residual"), py::arg("y"),
+        py::arg("y_u8"), py::arg("y_scale"), py::arg("y_zero_point"), py::arg("rows"), py::arg("in"), py::arg("out"),
+        py::arg("num_threads"), py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_int8_cpu_available", &fastbert::gemm_int8_cpu_available,
+        "Whether this CPU runs gemm_int8_cpu (x86-64 with AVX2 and FMA).");
 
   m.def("gemm_cpu", &gemm_cpu,
         "y [rows, out] = float32 x [rows, in] (row stride x_stride) @ W^T + bias (+ residual [rows, out]; either 0: "

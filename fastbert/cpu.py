@@ -154,9 +154,10 @@ def int8_figures(bits: int) -> dict:
 
 
 def int8_measurement(bits: int) -> str:
-    """The name of the int8 measurement in the store's key: the float32 libraries it is timed against, so that a
-    machine that measured against others measures again (rather than warn of an entry that lacks one)."""
-    return f"{torch.float32} int8 w{bits} against {' '.join(gemm_libraries(torch.float32))}"
+    """The name of the int8 measurement in the store's key: the int8 GEMM timed and the float32 libraries it is timed
+    against, so that a machine that measured others measures again (rather than warn of an entry that lacks one)."""
+    return (f"{torch.float32} int8 w{bits} {int8_linear.gemm_library(bits)} against "
+            f"{' '.join(gemm_libraries(torch.float32))}")
 
 
 def int8_figures_so_far() -> dict:

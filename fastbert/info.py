@@ -18,6 +18,8 @@ from .int8 import decisions as int8_decisions
 from .ops import attention_cpu, attention_int8
 from .optimize import reports as optimize_reports
 
+GEMM_NAMES = {"native": "fastbert's int8 GEMM", "onednn": "oneDNN's int8 GEMM"}  # (int8.report()'s "gemm")
+
 
 def _version(package: str) -> str | None:
     try:
@@ -136,7 +138,7 @@ def summary(report: dict) -> str:
     lines += [f"  {chosen}" for chosen in report["auto_dtype"]["chosen"]]
     int8_report = report["int8"]
     lines.append(f"int8 (fastbert.quantize): {'runs' if int8_report['available'] else 'does not run'} here, "
-                 f"{int8_report['isa']}" + ("" if int8_report["available"] else
+                 f"{int8_report['isa']}, {GEMM_NAMES[int8_report['gemm']]}" + ("" if int8_report["available"] else
                                             f" ({'; '.join(int8_report['reasons'])})"))
     unavailable = int8_report["attention_unavailable"]
     lines.append("  its attention in int8 (where the guard passes): "

@@ -24,7 +24,13 @@ def bits_here() -> list[int]:
     return [7, 8] if int8.weight_bits() == 8 else [7]
 
 
-SHAPES = [(1, 312, 26), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens, in, out)
+def libraries_here(bits: int) -> list[str]:
+    """The int8 GEMMs that multiply ``bits``-bit weights on this machine: fastbert._C's (7 bits, AVX2) and oneDNN's."""
+    native = bits == 7 and not int8_linear.native_gemm.unavailable_reasons()
+    return ["native", "onednn"] if native else ["onednn"]
+
+
+SHAPES = [(1, 312, 26), (5, 13, 21), (7, 64, 96), (300, 96, 312), (129, 768, 768)]  # (tokens, in, out)
 
 
 @pytest.mark.parametrize("tokens, d_in", [(1, 3), (7, 64), (300, 96), (129, 768), (33, 3072)])
@@ -75,10 +81,10 @@ def test_linear_matches_reference(int8_on, tokens, d_in, d_out, epilogue, scales
         low, high = (float(v) / (2.0 if "saturating" in scales else 1.0)
                      for v in torch.aminmax(x / (1.0 if divisor is None else divisor)))
         static = int8_linear.qparams(low, high)
-    for bits in bits_here():
+    for bits, library in ((bits, library) for bits in bits_here() for library in libraries_here(bits)):
         ref = int8_linear.linear_ref(x, weight, bias, bits, activation, residual, divisor, per_token=per_token,
                                      static=static)
-        packed = int8_linear.quantize_weight(weight, bits, divisor)
+        packed = int8_linear.quantize_weight(weight, bits, divisor, library)
         with torch.inference_mode():
             out = int8_linear.linear(x, packed, bias, activation, residual, per_token=per_token, static=static)
         assert out.dtype == torch.float32 and out.shape == (tokens, d_out)
@@ -90,19 +96,21 @@ def test_linear_matches_reference(int8_on, tokens, d_in, d_out, epilogue, scales
             assert torch.nn.functional.cosine_similarity(out.double().flatten(), exact.flatten(), dim=0) > 0.999
 
 
-@pytest.mark.parametrize("bits", [7, 8])
-def test_saturation_case_is_exact(int8_on, bits):
+@pytest.mark.parametrize("bits, library", [(7, "native"), (7, "onednn"), (8, "onednn")])
+def test_saturation_case_is_exact(int8_on, bits, library):
     """The largest u8 times the largest weights of one sign, summed over long rows: AVX2's pairwise int16 sum would
     saturate with 8-bit weights (2 x 255 x 127 > 32767); 7-bit weights, and 8-bit ones where the CPU sums in int32,
     give the exact result."""
     if bits not in bits_here():
         pytest.skip("8-bit weights saturate without VNNI/AMX: fastbert uses 7 bits on this CPU")
+    if library not in libraries_here(bits):
+        pytest.skip("; ".join(int8_linear.native_gemm.unavailable_reasons()))
     d_in, d_out = 1024, 16
     x = torch.full((4, d_in), 2.0)
     x[:, 0] = 0.0  # the range [0, 2]: every other entry quantizes to 255
     weight = torch.ones(d_out, d_in)
     weight[::2] *= -1.0
-    packed = int8_linear.quantize_weight(weight, bits)
+    packed = int8_linear.quantize_weight(weight, bits, library=library)
     with torch.inference_mode():
         out = int8_linear.linear(x, packed, None)
     exact = x.double() @ weight.double().t()  # +-2046: all-same-sign products, the worst case
@@ -114,14 +122,15 @@ def test_range_from_real_rows_only(int8_on):
     huge values there."""
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(10, 64, generator=generator), torch.randn(32, 64, generator=generator)
-    packed = int8_linear.quantize_weight(weight, 7)
     junk = torch.cat([x, 1e4 * torch.randn(6, 64, generator=generator)])
-    with torch.inference_mode():
-        alone = int8_linear.linear(x, packed, None)
-        with_junk = int8_linear.linear(junk, packed, None, rows=10)
-        picked = int8_linear.linear(junk, packed, None, rows=torch.arange(10))  # (rows by index: a dense batch)
-    torch.testing.assert_close(with_junk[:10], alone, rtol=0, atol=0)
-    torch.testing.assert_close(picked[:10], alone, rtol=0, atol=0)
+    for library in libraries_here(7):
+        packed = int8_linear.quantize_weight(weight, 7, library=library)
+        with torch.inference_mode():
+            alone = int8_linear.linear(x, packed, None)
+            with_junk = int8_linear.linear(junk, packed, None, rows=10)
+            picked = int8_linear.linear(junk, packed, None, rows=torch.arange(10))  # (rows by index: a dense batch)
+        torch.testing.assert_close(with_junk[:10], alone, rtol=0, atol=0)
+        torch.testing.assert_close(picked[:10], alone, rtol=0, atol=0)
 
 
 def test_bad_input_raises():
@@ -134,6 +143,58 @@ def test_bad_input_raises():
         int8_linear.linear(torch.randn(3, 4), packed, None, "gelu", torch.randn(3, 8))
     with pytest.raises(ValueError, match="bits"):
         int8_linear.quantize_weight(torch.randn(8, 4), 4)
+    with pytest.raises(ValueError, match="library must be"):
+        int8_linear.quantize_weight(torch.randn(8, 4), 8, library="native")  # (its int16 pairs saturate at 8 bits)
+    with pytest.raises(ValueError, match="library must be"):
+        int8_linear.quantize_weight(torch.randn(8, 4), 7, library="mkl")
+
+
+def test_native_gemm_checks_its_arguments():
+    """fastbert._C's int8 GEMM: a weight past 7 bits is refused when packed; wrong tensors are named before the
+    kernel runs; the extension itself refuses null pointers and bad scales."""
+    native = int8_linear.native_gemm
+    if native.unavailable_reasons():
+        pytest.skip("; ".join(native.unavailable_reasons()))
+    with pytest.raises(ValueError, match="7-bit"):
+        native.pack(torch.full((4, 8), 64, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(ValueError, match="int8 CPU tensor"):
+        native.pack(torch.ones(4, 8), torch.ones(4))
+    with pytest.raises(ValueError, match="scales must be"):
+        native.pack(torch.ones(4, 8, dtype=torch.int8), torch.ones(5))
+    packed = native.pack(torch.ones(4, 8, dtype=torch.int8), torch.ones(4))
+    q = torch.zeros(3, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="q must be"):
+        native.linear(q[:, :5], 1.0, 0, packed, None)
+    with pytest.raises(ValueError, match="bias must be"):
+        native.linear(q, 1.0, 0, packed, torch.zeros(5))
+    with pytest.raises(ValueError, match="residual must be"):
+        native.linear(q, 1.0, 0, packed, None, residual=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="erf GELU or no activation"):
+        native.linear(q, 1.0, 0, packed, None, "relu", output=(0.1, 0))
+    with pytest.raises(ValueError, match="rows must be"):
+        native.linear_per_call(torch.randn(3, 8), 4, None, packed, None)
+    with pytest.raises(ValueError, match="rows indexes"):
+        native.linear_per_call(torch.randn(3, 8), torch.tensor([3]), None, packed, None)
+    with pytest.raises(ValueError, match="smooth must be"):
+        native.linear_per_call(torch.randn(3, 8), 3, torch.ones(7), packed, None)
+    y = torch.empty(3, 4)
+
+    def call(**changes):
+        arguments = dict(x=q.data_ptr(), x_stride=8, packed=packed.panels.data_ptr(),
+                         column_sums=packed.column_sums.data_ptr(), scales=packed.scales.data_ptr(), x_scale=1.0,
+                         x_zero_point=0, bias=0, residual=0, y=y.data_ptr(), y_u8=0, y_scale=1.0, y_zero_point=0,
+                         rows=3, out=4, num_threads=1, **{"in": 8})
+        int8_linear._extension._C.gemm_int8_cpu(**(arguments | changes))
+
+    call()
+    torch.testing.assert_close(y, torch.zeros(3, 4))  # (zero u8 at zero point 0)
+    for changes, message in [({"x_scale": 0.0}, "x_scale"), ({"x_zero_point": 256}, "x_zero_point"),
+                             ({"x": 0}, "null data pointer"), ({"y_u8": q.data_ptr()}, "both y and y_u8"),
+                             ({"residual": y.data_ptr(), "gelu": True}, "gelu with a residual"),
+                             ({"x_stride": 7}, "x_stride"), ({"y": 0, "y_u8": q.data_ptr(), "y_scale": -1.0},
+                                                             "y_scale")]:
+        with pytest.raises(ValueError, match=message):
+            call(**changes)
 
 
 # --- models ---------------------------------------------------------------------------------------------------------
@@ -387,7 +448,7 @@ def test_off_setting_and_info(fastbert_env, small_bert_config):
         torch.testing.assert_close(q(ids).last_hidden_state, fp32(ids).last_hidden_state, rtol=0, atol=0)
     report = fastbert.info()["int8"]
     assert not report["available"] and "FASTBERT_CPU_INT8=off" in report["reasons"]
-    assert report["weight_bits"] in (7, 8) and report["isa"]
+    assert report["weight_bits"] in (7, 8) and report["isa"] and report["gemm"] in ("native", "onednn")
 
 
 def test_bad_models_get_clear_errors(int8_on, small_bert_config):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from test_int8 import libraries_here
 
 import fastbert
 from fastbert import plan
@@ -214,7 +215,8 @@ def _layer_norm_backends(model) -> set[str]:
 @pytest.mark.parametrize("tokens, d_in, d_out", [(1, 3, 5), (7, 312, 600), (130, 64, 3072)])
 @pytest.mark.parametrize("activation", [None, "gelu", "relu"])
 @pytest.mark.parametrize("first_scale", ["per-call", "static"])
-def test_u8_output_matches_the_reference(int8_on, tokens, d_in, d_out, activation, first_scale):
+@pytest.mark.parametrize("library", ["native", "onednn"])
+def test_u8_output_matches_the_reference(int8_on, tokens, d_in, d_out, activation, first_scale, library):
     """The first GEMM's u8 result against float64's (a level apart at most, where float32's rounding of the
     activation crosses a tie, and rarely); the second GEMM reading that u8 computes what it computes on the float32
     activations its own static quantization would give those bytes."""
@@ -225,10 +227,12 @@ def test_u8_output_matches_the_reference(int8_on, tokens, d_in, d_out, activatio
     static = int8_linear.qparams(*(float(v) for v in torch.aminmax(x))) if first_scale == "static" else None
     output = (0.7 / 255, 40)  # (a range that saturates some large activations)
     bits = int8.weight_bits()
+    if library not in libraries_here(bits):
+        pytest.skip(f"no {library} int8 GEMM for {bits}-bit weights here")
     ref = int8_linear.linear_ref(x, weight, bias, bits, activation, static=static, output=output)
     with torch.inference_mode():
-        q = int8_linear.linear(x, int8_linear.quantize_weight(weight, bits), bias, activation, static=static,
-                               output=output)
+        q = int8_linear.linear(x, int8_linear.quantize_weight(weight, bits, library=library), bias, activation,
+                               static=static, output=output)
     assert q.dtype == torch.uint8 and q.shape == (tokens, d_out)
     apart = (q.int() - ref.int()).abs()
     assert apart.max().item() <= 1 and (apart > 0).sum().item() <= max(1, apart.numel() // 1000)

@@ -259,7 +259,8 @@ def static_qparams(low: torch.Tensor, high: torch.Tensor, smooth: torch.Tensor |
 
 
 def report() -> dict:
-    """``fastbert.info()["int8"]``: whether int8 runs here, why not, on which ISA path, what was measured."""
+    """``fastbert.info()["int8"]``: whether int8 runs here, why not, on which ISA path and GEMM ("native": fastbert._C's,
+    "onednn"), what was measured."""
     reasons = unavailable_reasons()
     return {
         "available": not reasons,
@@ -267,6 +268,7 @@ def report() -> dict:
         "requested": dispatch.settings().cpu_int8,
         "isa": isa_path(),
         "weight_bits": weight_bits(),
+        "gemm": int8_linear.gemm_library(weight_bits()),
         "margin": INT8_MARGIN,
         "measured_gflops": cpu.int8_figures_so_far(),
     }

@@ -1,5 +1,5 @@
-"""CPU int8 GEMM with a fused epilogue: ``act(x @ W^T + b)`` or ``x @ W^T + b + residual``, through oneDNN's
-quantized linear, with fp32 in and fp32 out.
+"""CPU int8 GEMM with a fused epilogue: ``act(x @ W^T + b)`` or ``x @ W^T + b + residual``, with fp32 in and fp32
+out: through fastbert._C's int8 GEMM where the weights have 7 bits (``native_gemm``), oneDNN's quantized linear with 8.
 
 x: [tokens, in] fp32, quantized here per call; W: [out, in], quantized once (``quantize_weight``); b: [out] fp32;
 residual: [tokens, out] fp32 -> [tokens, out] fp32.
@@ -30,12 +30,13 @@ import torch.nn.functional as F
 from .. import _extension, run
 from ..cpu_gemm import EPILOGUES
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
-from ..kernels.activation import activation_ref
-from . import handoff as int8_handoff
+from ..kernels.activation import ACTIVATIONS, activation_ref
+from . import handoff as int8_handoff, native_gemm
 
 
 class QuantizedWeight:
-    """W [out, in] as oneDNN's prepacked s8 weight with its per-row scales (and the smoothing it was built with)."""
+    """W [out, in] as the int8 GEMM's prepacked s8 weight (``native_gemm.PackedWeight``, or oneDNN's packed tensor)
+    with its per-row scales (and the smoothing it was built with)."""
 
     __slots__ = ("packed", "scales", "zero_points", "smooth", "bits", "in_features")
 
@@ -59,10 +60,22 @@ def quantize_weight_ref(weight: torch.Tensor, bits: int, smooth: torch.Tensor | 
     return torch.round(w / scales[:, None]).clamp_(-levels, levels).to(torch.int8), scales
 
 
-def quantize_weight(weight: torch.Tensor, bits: int, smooth: torch.Tensor | None = None) -> QuantizedWeight:
-    """W [out, in] (fp32) -> the prepacked weight ``linear`` multiplies by."""
+def gemm_library(bits: int) -> str:
+    """Which int8 GEMM multiplies ``bits``-bit weights here: "native" (fastbert._C's, 7 bits on AVX2: exact and ~4x
+    faster than oneDNN's at a sentence's size) or "onednn" (8 bits, VNNI or AMX: its kernels use them)."""
+    return "native" if bits == 7 and not native_gemm.unavailable_reasons() else "onednn"
+
+
+def quantize_weight(weight: torch.Tensor, bits: int, smooth: torch.Tensor | None = None,
+                    library: str | None = None) -> QuantizedWeight:
+    """W [out, in] (fp32) -> the prepacked weight ``linear`` multiplies by, for ``library`` (None:
+    ``gemm_library(bits)``; "native" takes 7 bits)."""
+    library = gemm_library(bits) if library is None else library
+    if library not in ("native", "onednn") or (library == "native" and bits != 7):
+        raise ValueError(f"library must be 'onednn', or 'native' with 7-bit weights; got {library!r}, {bits} bits")
     quantized, scales = quantize_weight_ref(weight, bits, smooth)
-    packed = torch.ops.onednn.qlinear_prepack(quantized, None)
+    packed = (native_gemm.pack(quantized, scales) if library == "native"
+              else torch.ops.onednn.qlinear_prepack(quantized, None))
     zero_points = torch.zeros(scales.shape, dtype=torch.int32)
     smooth = None if smooth is None else smooth.float().contiguous()
     return QuantizedWeight(packed, scales, zero_points, smooth, bits, weight.shape[1])
@@ -273,8 +286,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
     per token (``per_token``: finer, and every row's result is its own alone; the bias, activation and residual then
     run after the GEMM instead of in its epilogue), or with the fixed (scale, zero point) ``static`` (no range taken:
     one pass less over x). A u8 x is the input already quantized with ``static``. ``output``: (scale, zero point) of
-    a u8 result, quantized by oneDNN after the activation (the next GEMM's static input: no float32 result is
-    written), float32 otherwise."""
+    a u8 result, quantized in the GEMM's epilogue after the activation (the next GEMM's static input: no float32
+    result is written), float32 otherwise."""
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.uint8) or x.shape[1] != weight.in_features:
         raise ValueError(f"x must be float32 (or u8, quantized) [tokens, {weight.in_features}], got {tuple(x.shape)} "
                          f"{x.dtype}")
@@ -305,6 +318,12 @@ def _linear_u8(q: torch.Tensor, scale: float, zero_point: int, weight: Quantized
                activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
     """The GEMM of the u8 q (with its scale and zero point) and its epilogue: the bias and the activation, or the
     residual; the result float32, or u8 with ``output``."""
+    if isinstance(weight.packed, native_gemm.PackedWeight):
+        if output is not None and activation is not None and ACTIVATIONS.get(activation) != "gelu_erf":
+            # (an activation the kernel's epilogue lacks runs in torch ops: quantized after it, the same bytes)
+            y = native_gemm.linear(q, scale, zero_point, weight.packed, bias, activation)
+            return quantize_static(y, *output)
+        return native_gemm.linear(q, scale, zero_point, weight.packed, bias, activation, residual, output)
     if residual is not None:
         return _gemm_residual(
             q, scale, zero_point, weight.packed, weight.scales, weight.zero_points, residual.contiguous(), bias,
@@ -321,6 +340,9 @@ def _per_call(x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor
     """x quantized with the range of its ``rows``, then ``_linear_u8`` (one step of a CPU replay: the scale is the
     data's; given the layout, the step reads the token count of the layout each replay passes)."""
     rows = rows if isinstance(rows, (int, torch.Tensor)) else rows.tokens
+    if isinstance(weight.packed, native_gemm.PackedWeight) and not quantize_cpu_unavailable_reasons() and (
+            output is None or activation is None or ACTIVATIONS.get(activation) == "gelu_erf"):
+        return native_gemm.linear_per_call(x, rows, weight.smooth, weight.packed, bias, activation, residual, output)
     q, scale, zero_point = quantize_activation(x, rows, weight.smooth)
     return _linear_u8(q, scale, zero_point, weight, bias, activation, residual, output)
 
@@ -330,8 +352,7 @@ def _per_token(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
                residual: torch.Tensor | None) -> torch.Tensor:
     """x quantized with one scale per token, the GEMM, then its bias, residual and activation (one step)."""
     q, scales = quantize_activation_per_token(x, weight.smooth)
-    y = _gemm(q, 1.0, 128, weight.packed, weight.scales, weight.zero_points, None, 1.0, 0, torch.float32, "none", [],
-              "").mul_(scales)
+    y = _linear_u8(q, 1.0, 128, weight, None, None, None, None).mul_(scales)
     y = y if bias is None else y.add_(bias)
     y = y if residual is None else y.add_(residual)
     return y if activation is None else activation_ref(y, activation)

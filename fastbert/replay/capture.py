@@ -188,12 +188,13 @@ def storage(t: torch.Tensor) -> int | None:
 
 
 def tensors_of(value) -> list[torch.Tensor]:
-    """The tensors a value holds: itself, those of a tuple or list, or of an object's slots (a QuantizedWeight) or
-    attributes."""
+    """The tensors a value holds: itself, those of a tuple or list, or of an object's slots (a QuantizedWeight, and
+    the native PackedWeight in it) or attributes."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensors_of(v)]
     fields = [getattr(value, name, None) for name in getattr(type(value), "__slots__", ())]
     fields += list(getattr(value, "__dict__", {}).values()) if not isinstance(value, (type, torch.nn.Module)) else []
-    return [t for field in fields if isinstance(field, (torch.Tensor, tuple, list)) for t in tensors_of(field)]
+    return [t for field in fields if isinstance(field, (torch.Tensor, tuple, list)) or hasattr(type(field), "__slots__")
+            for t in tensors_of(field)]

@@ -1,0 +1,133 @@
+"""fastbert._C's int8 CPU GEMM for CPUs without VNNI (csrc/gemm_int8_cpu.h): ``epilogue((x_q - z_x) @ W_q^T * s_x
+* s_w + b)`` on a 7-bit weight prepacked once; the backend of ``int8/linear.py`` where its weights have 7 bits.
+
+x_q: [tokens, in] u8 with (s_x, z_x); W_q: [out, in] s8 in [-63, 63] with per-row scales s_w [out] (``pack``:
+[ceil(out / 16), ceil(in / 4), 16, 4], the column sums of W_q and s_w, a derived cache); b: [out] or None; residual:
+[tokens, out] -> [tokens, out] float32, or u8 quantized with ``output``'s (scale, zero point).
+
+Why a GEMM of our own: on an AVX2 CPU without VNNI, oneDNN's int8 linear (``torch.ops.onednn.qlinear_pointwise``)
+costs ~56 us a call whatever its size, and at bert's sizes runs barely faster than the float32 GEMM (on an AMD EPYC
+Zen 3, 2 threads: 24 x 384 x 384 154 us against F.linear's 86; 128 x 768 x 768 868 us). This kernel's
+vpmaddubsw/vpmaddwd tiles do the same sums exactly (7-bit weights: no int16 saturation) in 39 us and ~580 us there.
+
+Reference: ``int8_linear.linear_ref`` (float64 torch ops of the same quantized math); the kernel's results are its
+within float32 rounding, a u8 output a level apart at most where float32's rounding crosses a tie.
+"""
+
+import functools
+
+import torch
+
+from .. import _extension, run
+# (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
+from ..kernels.activation import ACTIVATIONS, activation_ref
+
+PANEL = 16  # output columns per panel (csrc/gemm_int8_cpu.h)
+GROUP = 4  # inputs per group: 4 u8 broadcast as one int32
+LEVELS = 63  # the largest weight magnitude the kernel sums exactly (7 bits)
+
+
+@functools.cache
+def unavailable_reasons() -> tuple[str, ...]:
+    """Why the native int8 GEMM cannot run here (() when it can): found once."""
+    return _extension.cpu_kernel_reasons("gemm_int8_cpu", "fastbert's int8 CPU GEMM",
+                                         lambda C: C.gemm_int8_cpu_available(), "an x86-64 CPU with AVX2 and FMA")
+
+
+class PackedWeight:
+    """A 7-bit weight [out, in] as the kernel reads it: ``panels`` [ceil(out / 16), ceil(in / 4), 16, 4] s8 and
+    ``column_sums`` [ceil(out / 16) * 16] int32, zero past ``out`` and ``in``, with its row ``scales`` [out]."""
+
+    __slots__ = ("panels", "column_sums", "scales", "out", "in_features")
+
+    def __init__(self, panels: torch.Tensor, column_sums: torch.Tensor, scales: torch.Tensor, out: int,
+                 in_features: int):
+        self.panels, self.column_sums, self.scales = panels, column_sums, scales
+        self.out, self.in_features = out, in_features
+
+
+def pack(quantized: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
+    """W_q [out, in] int8 in [-63, 63] and its row scales [out] -> its panels (``panels[p, g, j, k] = W_q[16 p + j,
+    4 g + k]``) and column sums, for any number of tokens."""
+    if quantized.dtype != torch.int8 or quantized.dim() != 2 or quantized.device.type != "cpu":
+        raise ValueError(f"the weight must be an int8 CPU tensor [out, in], got {tuple(quantized.shape)} "
+                         f"{quantized.dtype} on {quantized.device}")
+    if scales.dtype != torch.float32 or scales.shape != quantized.shape[:1] or scales.device.type != "cpu":
+        raise ValueError(f"scales must be float32 [{quantized.shape[0]}] on the CPU, got {tuple(scales.shape)} "
+                         f"{scales.dtype} on {scales.device}")
+    if quantized.numel() and int(quantized.abs().max()) > LEVELS:
+        raise ValueError(f"the native int8 GEMM sums 7-bit weights exactly: |W_q| must be <= {LEVELS}")
+    out, in_features = quantized.shape
+    panels, groups = -(-out // PANEL), -(-in_features // GROUP)
+    padded = quantized.new_zeros(panels * PANEL, groups * GROUP)
+    padded[:out, :in_features] = quantized
+    column_sums = padded.sum(dim=1, dtype=torch.int32)
+    packed = padded.view(panels, PANEL, groups, GROUP).transpose(1, 2).contiguous()
+    return PackedWeight(packed, column_sums, scales.contiguous(), out, in_features)
+
+
+@run.step
+def linear(q: torch.Tensor, scale: float, zero_point: int, packed: PackedWeight, bias: torch.Tensor | None, activation: str | None = None, residual: torch.Tensor | None = None,
+           output: tuple[float, int] | None = None) -> torch.Tensor:
+    """act((q - zero_point) @ W_q^T * scale * W's scales + bias), or that + residual; float32, or u8 with ``output``
+    (its scale and zero point; only with the erf GELU or no activation). A step of a CPU replay (``run.step``)."""
+    if not (q.is_cpu and q.dtype is torch.uint8 and q.dim() == 2 and q.shape[1] == packed.in_features):
+        raise ValueError(f"q must be a u8 CPU tensor [tokens, {packed.in_features}], got {tuple(q.shape)} {q.dtype} "
+                         f"on {q.device}")
+    q = q.contiguous()
+    y, args = _epilogue_args(q.shape[0], packed, bias, activation, residual, output)
+    _extension._C.gemm_int8_cpu(q.data_ptr(), q.shape[1], packed.panels.data_ptr(), packed.column_sums.data_ptr(),
+                                packed.scales.data_ptr(), scale, zero_point, *args)
+    return y if activation is None or args[-1] else activation_ref(y, activation)
+
+
+@run.step
+def linear_per_call(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None, packed: PackedWeight,
+                    bias: torch.Tensor | None, activation: str | None = None,
+                    residual: torch.Tensor | None = None, output: tuple[float, int] | None = None) -> torch.Tensor:
+    """``linear`` of float32 x quantized per call (``int8_linear.quantize_per_call``'s bytes: the range of its first
+    ``rows`` rows, or of the rows ``rows`` indexes, of x / smooth), in one native call: no u8 tensor, no second call.
+    A step of a CPU replay."""
+    if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == packed.in_features):
+        raise ValueError(f"x must be a float32 CPU tensor [tokens, {packed.in_features}], got {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}")
+    if smooth is not None and not (smooth.is_cpu and smooth.dtype is torch.float32 and smooth.shape == (x.shape[1],)):
+        raise ValueError(f"smooth must be float32 [{x.shape[1]}], got {tuple(smooth.shape)} {smooth.dtype}")
+    index = None
+    if isinstance(rows, torch.Tensor):
+        index = rows.to(torch.int64).contiguous()
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
+            raise ValueError(f"rows indexes outside x's {x.shape[0]} rows")
+    elif not 0 <= rows <= x.shape[0]:
+        raise ValueError(f"rows must be in [0, {x.shape[0]}], got {rows}")
+    x = x.contiguous()
+    smooth = None if smooth is None else smooth.contiguous()
+    y, args = _epilogue_args(x.shape[0], packed, bias, activation, residual, output)
+    _extension._C.gemm_int8_per_call_cpu(
+        x.data_ptr(), 0 if smooth is None else smooth.data_ptr(), 0 if index is None else index.data_ptr(),
+        rows if index is None else index.numel(), packed.panels.data_ptr(), packed.column_sums.data_ptr(),
+        packed.scales.data_ptr(), *args)
+    return y if activation is None or args[-1] else activation_ref(y, activation)
+
+
+def _epilogue_args(rows: int, packed: PackedWeight, bias, activation, residual, output) -> tuple:
+    """The checked epilogue of a GEMM of ``rows`` rows: its result y and the kernel's arguments from the bias on
+    (bias, residual, y, y_u8, y_scale, y_zero_point, rows, in, out, threads, gelu)."""
+    out = packed.out
+    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (out,)):
+        raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype} on "
+                         f"{bias.device}")
+    if residual is not None and not (residual.is_cpu and residual.dtype is torch.float32
+                                     and residual.shape == (rows, out)):
+        raise ValueError(f"residual must be float32 [{rows}, {out}] on the CPU, got {tuple(residual.shape)} "
+                         f"{residual.dtype} on {residual.device}")
+    fused_gelu = residual is None and ACTIVATIONS.get(activation) == "gelu_erf"  # (the kernel's own epilogue)
+    if output is not None and activation is not None and not fused_gelu:
+        raise ValueError(f"a u8 output takes the erf GELU or no activation, got {activation!r}")
+    bias = None if bias is None else bias.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    y = torch.empty(rows, out, dtype=torch.float32 if output is None else torch.uint8)
+    y_scale, y_zero_point = (1.0, 0) if output is None else output
+    return y, (0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
+               y.data_ptr() if output is None else 0, 0 if output is None else y.data_ptr(), y_scale, y_zero_point,
+               rows, packed.in_features, out, torch.get_num_threads(), fused_gelu)
