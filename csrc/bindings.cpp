@@ -238,15 +238,18 @@ void gemm_int8_cpu(std::uintptr_t x, int64_t x_stride, std::uintptr_t packed, st
   fastbert::gemm_int8_cpu(a, num_threads);
 }
 
-// quantize_per_call_cpu of float32 x (contiguous), then gemm_int8_cpu of its bytes, in one call: the u8 goes to this
-// thread's scratch memory (kept up to kScratchBytes: a fresh allocation pays its page faults on every call).
-std::pair<double, int64_t> gemm_int8_per_call_cpu(
-    std::uintptr_t x, std::uintptr_t smooth, std::uintptr_t real_index, int64_t real_rows, std::uintptr_t packed,
-    std::uintptr_t column_sums, std::uintptr_t scales, std::uintptr_t bias, std::uintptr_t residual, std::uintptr_t y,
-    std::uintptr_t y_u8, double y_scale, int64_t y_zero_point, int64_t rows, int64_t in, int64_t out,
-    int num_threads, bool gelu) {
+// Float32 x (contiguous) quantized per call (quantize_per_call_cpu, the range of its real rows) or, per_token, per
+// row (quantize_per_token_cpu), then gemm_int8_cpu of those bytes, in one call: the u8 (and the row scales) go to
+// this thread's scratch memory, kept up to kScratchBytes (a fresh allocation pays its page faults on every call).
+// Returns the per-call scale and zero point (per token: 1 and 128, the scales being the rows').
+std::pair<double, int64_t> gemm_int8_quantizing_cpu(
+    std::uintptr_t x, std::uintptr_t smooth, std::uintptr_t real_index, int64_t real_rows, bool per_token,
+    std::uintptr_t packed, std::uintptr_t column_sums, std::uintptr_t scales, std::uintptr_t bias,
+    std::uintptr_t residual, std::uintptr_t y, std::uintptr_t y_u8, double y_scale, int64_t y_zero_point,
+    int64_t rows, int64_t in, int64_t out, int num_threads, bool gelu) {
   constexpr size_t kScratchBytes = size_t{64} << 20;
   thread_local std::vector<uint8_t> scratch;
+  thread_local std::vector<float> row_scales;
   fastbert::GemmInt8CpuArgs a = int8_gemm_args(packed, column_sums, scales, bias, residual, y, y_u8, y_scale,
                                                y_zero_point, rows, in, out, gelu);
   const size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(in);
@@ -254,10 +257,16 @@ std::pair<double, int64_t> gemm_int8_per_call_cpu(
   std::vector<uint8_t>& q = bytes <= kScratchBytes ? scratch : large;
   if (q.size() < bytes) q.resize(bytes);
   double scale = 1.0;
-  int64_t zero_point = 0;
-  fastbert::quantize_per_call_cpu(quantize_args(x, reinterpret_cast<std::uintptr_t>(q.data()), rows, in, smooth,
-                                                real_index, real_rows),
-                                  &scale, &zero_point, num_threads);
+  int64_t zero_point = 128;
+  const auto q_args = quantize_args(x, reinterpret_cast<std::uintptr_t>(q.data()), rows, in, smooth,
+                                    per_token ? 0 : real_index, per_token ? rows : real_rows);
+  if (per_token) {
+    if (row_scales.size() < static_cast<size_t>(rows)) row_scales.resize(rows);
+    fastbert::quantize_per_token_cpu(q_args, row_scales.data(), num_threads);
+    a.x_row_scales = row_scales.data();
+  } else {
+    fastbert::quantize_per_call_cpu(q_args, &scale, &zero_point, num_threads);
+  }
   if (rows * out == 0) return {scale, zero_point};
   a.x = q.data(), a.x_stride = in;
   a.x_scale = static_cast<float>(scale), a.x_zero_point = static_cast<int32_t>(zero_point);
@@ -413,13 +422,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("x_scale"), py::arg("x_zero_point"), py::arg("bias"), py::arg("residual"), py::arg("y"),
         py::arg("y_u8"), py::arg("y_scale"), py::arg("y_zero_point"), py::arg("rows"), py::arg("in"), py::arg("out"),
         py::arg("num_threads"), py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_int8_per_call_cpu", &gemm_int8_per_call_cpu,
-        "quantize_per_call_cpu of float32 x [rows, in] (contiguous; smooth, real_index, real_rows as there), then "
-        "gemm_int8_cpu of its bytes with the scale and zero point it took, which it returns.",
-        py::arg("x"), py::arg("smooth"), py::arg("real_index"), py::arg("real_rows"), py::arg("packed"),
-        py::arg("column_sums"), py::arg("scales"), py::arg("bias"), py::arg("residual"), py::arg("y"),
-        py::arg("y_u8"), py::arg("y_scale"), py::arg("y_zero_point"), py::arg("rows"), py::arg("in"), py::arg("out"),
-        py::arg("num_threads"), py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_int8_quantizing_cpu", &gemm_int8_quantizing_cpu,
+        "float32 x [rows, in] (contiguous) quantized per call (quantize_per_call_cpu: smooth, real_index, real_rows as "
+        "there) or per_token (quantize_per_token_cpu), then gemm_int8_cpu of its bytes (per token: each row's result "
+        "times its scale, before the bias); returns the per-call scale and zero point (per token: 1.0, 128).",
+        py::arg("x"), py::arg("smooth"), py::arg("real_index"), py::arg("real_rows"), py::arg("per_token"),
+        py::arg("packed"), py::arg("column_sums"), py::arg("scales"), py::arg("bias"), py::arg("residual"),
+        py::arg("y"), py::arg("y_u8"), py::arg("y_scale"), py::arg("y_zero_point"), py::arg("rows"), py::arg("in"),
+        py::arg("out"), py::arg("num_threads"), py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>());
   m.def("gemm_int8_cpu_available", &fastbert::gemm_int8_cpu_available,
         "Whether this CPU runs gemm_int8_cpu (x86-64 with AVX2 and FMA).");
 

@@ -69,8 +69,8 @@ AVX2 inline void tile(const GemmInt8CpuArgs& a, const uint8_t* x, const int8_t* 
     step<R>(tail[0], kGroup, w, c);
   }
 
-  // Epilogue, per row: (acc - z * column sums) as float32, times x_scale * the weight scales, plus the bias, then
-  // the GELU or the residual; stored as float32 or quantized to u8.
+  // Epilogue, per row: (acc - z * column sums) as float32, times x_scale * the weight scales (* the row's scale),
+  // plus the bias, then the GELU or the residual; stored as float32 or quantized to u8.
   alignas(32) float scale[kPanel] = {}, bias[kPanel] = {}, edge[kPanel];
   for (int j = 0; j < columns; ++j) {
     scale[j] = a.x_scale * a.scales[column + j];
@@ -83,8 +83,13 @@ AVX2 inline void tile(const GemmInt8CpuArgs& a, const uint8_t* x, const int8_t* 
   for (int r = 0; r < R; ++r) {
     __m256 y0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(c[r][0], zs0));
     __m256 y1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(c[r][1], zs1));
-    y0 = _mm256_fmadd_ps(y0, _mm256_load_ps(scale), _mm256_load_ps(bias));
-    y1 = _mm256_fmadd_ps(y1, _mm256_load_ps(scale + 8), _mm256_load_ps(bias + 8));
+    __m256 s0 = _mm256_load_ps(scale), s1 = _mm256_load_ps(scale + 8);
+    if (a.x_row_scales) {
+      const __m256 row_scale = _mm256_set1_ps(a.x_row_scales[row + r]);
+      s0 = _mm256_mul_ps(s0, row_scale), s1 = _mm256_mul_ps(s1, row_scale);
+    }
+    y0 = _mm256_fmadd_ps(y0, s0, _mm256_load_ps(bias));
+    y1 = _mm256_fmadd_ps(y1, s1, _mm256_load_ps(bias + 8));
     if (a.gelu) y0 = gelu_avx2(y0), y1 = gelu_avx2(y1);
     _mm256_store_ps(edge, y0);
     _mm256_store_ps(edge + 8, y1);

@@ -2,7 +2,8 @@
 // prepacked once, int32 sums, the epilogue in float32:
 //
 //   acc[r, o] = sum_i x[r, i] * W[o, i] - x_zero_point * column_sums[o]         exact in int32
-//   y[r, o]   = acc[r, o] * (x_scale * scales[o]) + bias[o]  (+ residual[r, o], or through GELU, erf form)
+//   y[r, o]   = acc[r, o] * (x_scale * x_row_scales[r] * scales[o]) + bias[o]  (+ residual[r, o], or through GELU,
+//               erf form); x_row_scales null: 1 (per-call or static input scales; per token: x_scale 1)
 //   y_u8      = clamp(round(fma(y, 1 / y_scale, y_zero_point - 128)), -128, 127) + 128   when y_u8 is given
 //               (quantize_cpu.h's static quantization of y: the next GEMM's input, no float32 written)
 //   packed [panels, groups, 16, 4] s8: packed[p, g, j, k] = W[16 p + j, 4 g + k], zero past out and in
@@ -24,6 +25,7 @@ struct GemmInt8CpuArgs {
   const int32_t* column_sums;  // [panels * 16]: sum_i W[o, i], zero past out
   const float* scales;         // [out]: each output row's weight scale
   float x_scale;
+  const float* x_row_scales;   // [rows]: each input row's scale (quantized per token), or null
   int32_t x_zero_point;
   const float* bias;           // [out] or null
   const float* residual;       // [rows, out] contiguous, or null

@@ -172,11 +172,13 @@ def test_native_gemm_checks_its_arguments():
     with pytest.raises(ValueError, match="erf GELU or no activation"):
         native.linear(q, 1.0, 0, packed, None, "relu", output=(0.1, 0))
     with pytest.raises(ValueError, match="rows must be"):
-        native.linear_per_call(torch.randn(3, 8), 4, None, packed, None)
+        native.linear_quantizing(torch.randn(3, 8), 4, None, packed, None)
     with pytest.raises(ValueError, match="rows indexes"):
-        native.linear_per_call(torch.randn(3, 8), torch.tensor([3]), None, packed, None)
+        native.linear_quantizing(torch.randn(3, 8), torch.tensor([3]), None, packed, None)
     with pytest.raises(ValueError, match="smooth must be"):
-        native.linear_per_call(torch.randn(3, 8), 3, torch.ones(7), packed, None)
+        native.linear_quantizing(torch.randn(3, 8), 3, torch.ones(7), packed, None)
+    with pytest.raises(ValueError, match="u8 output takes"):
+        native.linear_quantizing(torch.randn(3, 8), 3, None, packed, None, output=(0.1, 0), per_token=True)
     y = torch.empty(3, 4)
 
     def call(**changes):

@@ -87,9 +87,10 @@ class _Recipe(typing.NamedTuple):
 
 
 # Tried in turn until the guard passes, cheapest first: one scale per GEMM call keeps bias, activation and residual
-# in oneDNN's epilogue; per-token scales cost an elementwise pass or two after the GEMM. (all-MiniLM-L6-v2 on the
-# guard's sentences, 8-bit weights: per call 0.9916 mean / 0.9604 1st-percentile cosine; with SmoothQuant and per-token
-# scales on the MLP's output GEMM 0.9982 / 0.9903; per token everywhere 0.9985 / 0.9910.)
+# in the GEMM's epilogue; per-token scales cost an elementwise pass or two after oneDNN's GEMM (fastbert's own GEMM
+# scales each row in its epilogue). (all-MiniLM-L6-v2 on the guard's sentences, 8-bit weights: per call 0.9916 mean /
+# 0.9604 1st-percentile cosine; with SmoothQuant and per-token scales on the MLP's output GEMM 0.9982 / 0.9903; per
+# token everywhere 0.9985 / 0.9910.)
 RECIPES = (
     _Recipe("per-call activation scales", False, "none"),
     _Recipe("SmoothQuant, per-token scales into the MLP's output GEMM", True, "mlp_out"),

@@ -342,7 +342,8 @@ def _per_call(x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor
     rows = rows if isinstance(rows, (int, torch.Tensor)) else rows.tokens
     if isinstance(weight.packed, native_gemm.PackedWeight) and not quantize_cpu_unavailable_reasons() and (
             output is None or activation is None or ACTIVATIONS.get(activation) == "gelu_erf"):
-        return native_gemm.linear_per_call(x, rows, weight.smooth, weight.packed, bias, activation, residual, output)
+        return native_gemm.linear_quantizing(x, rows, weight.smooth, weight.packed, bias, activation, residual,
+                                             output)
     q, scale, zero_point = quantize_activation(x, rows, weight.smooth)
     return _linear_u8(q, scale, zero_point, weight, bias, activation, residual, output)
 
@@ -350,7 +351,11 @@ def _per_call(x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor
 @run.step
 def _per_token(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation: str | None,
                residual: torch.Tensor | None) -> torch.Tensor:
-    """x quantized with one scale per token, the GEMM, then its bias, residual and activation (one step)."""
+    """x quantized with one scale per token, the GEMM, then its bias, residual and activation (one step; fastbert's
+    int8 GEMM scales each row and runs the rest in its epilogue)."""
+    if isinstance(weight.packed, native_gemm.PackedWeight) and not quantize_cpu_unavailable_reasons():
+        return native_gemm.linear_quantizing(x, x.shape[0], weight.smooth, weight.packed, bias, activation, residual,
+                                             per_token=True)
     q, scales = quantize_activation_per_token(x, weight.smooth)
     y = _linear_u8(q, 1.0, 128, weight, None, None, None, None).mul_(scales)
     y = y if bias is None else y.add_(bias)

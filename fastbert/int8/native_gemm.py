@@ -82,17 +82,20 @@ def linear(q: torch.Tensor, scale: float, zero_point: int, packed: PackedWeight,
 
 
 @run.step
-def linear_per_call(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None, packed: PackedWeight,
-                    bias: torch.Tensor | None, activation: str | None = None,
-                    residual: torch.Tensor | None = None, output: tuple[float, int] | None = None) -> torch.Tensor:
-    """``linear`` of float32 x quantized per call (``int8_linear.quantize_per_call``'s bytes: the range of its first
-    ``rows`` rows, or of the rows ``rows`` indexes, of x / smooth), in one native call: no u8 tensor, no second call.
-    A step of a CPU replay."""
+def linear_quantizing(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None, packed: PackedWeight,
+                      bias: torch.Tensor | None, activation: str | None = None, residual: torch.Tensor | None = None,
+                      output: tuple[float, int] | None = None, per_token: bool = False) -> torch.Tensor:
+    """``linear`` of float32 x quantized in the same native call: per call (``int8_linear.quantize_per_call``'s bytes:
+    the range of its first ``rows`` rows, or of the rows ``rows`` indexes, of x / smooth), or ``per_token``
+    (``quantize_per_token``'s bytes, each row's result times its scale before the bias; ``rows`` unread). No u8
+    tensor, no second call. A step of a CPU replay."""
     if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == packed.in_features):
         raise ValueError(f"x must be a float32 CPU tensor [tokens, {packed.in_features}], got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
     if smooth is not None and not (smooth.is_cpu and smooth.dtype is torch.float32 and smooth.shape == (x.shape[1],)):
         raise ValueError(f"smooth must be float32 [{x.shape[1]}], got {tuple(smooth.shape)} {smooth.dtype}")
+    if per_token and output is not None:
+        raise ValueError("a u8 output takes an input quantized per call or statically")
     index = None
     if isinstance(rows, torch.Tensor):
         index = rows.to(torch.int64).contiguous()
@@ -103,9 +106,9 @@ def linear_per_call(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Ten
     x = x.contiguous()
     smooth = None if smooth is None else smooth.contiguous()
     y, args = _epilogue_args(x.shape[0], packed, bias, activation, residual, output)
-    _extension._C.gemm_int8_per_call_cpu(
+    _extension._C.gemm_int8_quantizing_cpu(
         x.data_ptr(), 0 if smooth is None else smooth.data_ptr(), 0 if index is None else index.data_ptr(),
-        rows if index is None else index.numel(), packed.panels.data_ptr(), packed.column_sums.data_ptr(),
+        rows if index is None else index.numel(), per_token, packed.panels.data_ptr(), packed.column_sums.data_ptr(),
         packed.scales.data_ptr(), *args)
     return y if activation is None or args[-1] else activation_ref(y, activation)
 
