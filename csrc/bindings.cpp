@@ -216,7 +216,7 @@ fastbert::GemmInt8CpuArgs int8_gemm_args(std::uintptr_t packed, std::uintptr_t c
   a.residual = reinterpret_cast<const float*>(residual);
   a.y = reinterpret_cast<float*>(y);
   a.y_u8 = reinterpret_cast<uint8_t*>(y_u8);
-  a.y_scale = static_cast<float>(y_scale);
+  a.y_inverse_scale = static_cast<float>(1.0 / y_scale);  // (quantize_static_row's rounding of it)
   a.y_zero_point = static_cast<int32_t>(y_zero_point);
   a.rows = rows, a.in = in, a.out = out, a.gelu = gelu;
   return a;

@@ -98,7 +98,7 @@ AVX2 inline void tile(const GemmInt8CpuArgs& a, const uint8_t* x, const int8_t* 
       for (int j = 0; j < columns; ++j) edge[j] += a.residual[at + j];
     if (a.y_u8) {
       // quantize_cpu.cpp's per_call rows: one fused multiply-add, rounded to nearest even, clamped
-      const float alpha = 1.0f / a.y_scale, shift = static_cast<float>(a.y_zero_point - 128);
+      const float alpha = a.y_inverse_scale, shift = static_cast<float>(a.y_zero_point - 128);
       for (int j = 0; j < columns; ++j) {
         const float q = std::min(127.f, std::max(-128.f, std::nearbyint(std::fma(edge[j], alpha, shift))));
         a.y_u8[at + j] = static_cast<uint8_t>(static_cast<int>(q) + 128);

@@ -4,8 +4,9 @@
 //   acc[r, o] = sum_i x[r, i] * W[o, i] - x_zero_point * column_sums[o]         exact in int32
 //   y[r, o]   = acc[r, o] * (x_scale * x_row_scales[r] * scales[o]) + bias[o]  (+ residual[r, o], or through GELU,
 //               erf form); x_row_scales null: 1 (per-call or static input scales; per token: x_scale 1)
-//   y_u8      = clamp(round(fma(y, 1 / y_scale, y_zero_point - 128)), -128, 127) + 128   when y_u8 is given
-//               (quantize_cpu.h's static quantization of y: the next GEMM's input, no float32 written)
+//   y_u8      = clamp(round(fma(y, y_inverse_scale, y_zero_point - 128)), -128, 127) + 128   when y_u8 is given
+//               (quantize_cpu.h's static quantization of y, its bytes where y_inverse_scale is its float(1 / scale):
+//               the next GEMM's input, no float32 written)
 //   packed [panels, groups, 16, 4] s8: packed[p, g, j, k] = W[16 p + j, 4 g + k], zero past out and in
 //          (panels = ceil(out / 16), groups = ceil(in / 4)); |W| <= 63
 //
@@ -31,7 +32,7 @@ struct GemmInt8CpuArgs {
   const float* residual;       // [rows, out] contiguous, or null
   float* y;                    // [rows, out] contiguous (may be residual), or null when y_u8 is given
   uint8_t* y_u8;               // [rows, out] contiguous, or null
-  float y_scale;               // of y_u8
+  float y_inverse_scale;       // of y_u8: float(1 / its scale), the division in double
   int32_t y_zero_point;
   int64_t rows;
   int64_t in;

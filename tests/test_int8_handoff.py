@@ -230,10 +230,13 @@ def test_u8_output_matches_the_reference(int8_on, tokens, d_in, d_out, activatio
     if library not in libraries_here(bits):
         pytest.skip(f"no {library} int8 GEMM for {bits}-bit weights here")
     ref = int8_linear.linear_ref(x, weight, bias, bits, activation, static=static, output=output)
+    first = int8_linear.quantize_weight(weight, bits, library=library)
     with torch.inference_mode():
-        q = int8_linear.linear(x, int8_linear.quantize_weight(weight, bits, library=library), bias, activation,
-                               static=static, output=output)
+        q = int8_linear.linear(x, first, bias, activation, static=static, output=output)
+        y = int8_linear.linear(x, first, bias, activation, static=static)
     assert q.dtype == torch.uint8 and q.shape == (tokens, d_out)
+    if library == "native":  # (its epilogue quantizes as the static quantizer does: the bytes of its float32 result)
+        assert torch.equal(q, int8_linear.quantize_static_ref(y, *output))
     apart = (q.int() - ref.int()).abs()
     assert apart.max().item() <= 1 and (apart > 0).sum().item() <= max(1, apart.numel() // 1000)
     second = torch.randn(11, d_out, generator=generator) * d_out ** -0.5
