@@ -206,7 +206,8 @@ fastbert::GemmInt8CpuArgs int8_gemm_args(std::uintptr_t packed, std::uintptr_t c
   if (gelu && residual) throw std::invalid_argument("gelu with a residual");
   if (y_u8 && (!(y_scale > 0 && y_scale < INFINITY) || y_zero_point < 0 || y_zero_point > 255))
     throw std::invalid_argument("y_scale finite and > 0, y_zero_point in [0, 255]");
-  if (rows * out > 0 && ((!y && !y_u8) || (y && y_u8) || !packed || !column_sums || !scales))
+  if (in > fastbert::kGemmInt8MaxIn) throw std::invalid_argument("in must be at most 133,676 (int32 sums)");
+  if (rows * out > 0 && ((!y && !y_u8) || (y && y_u8) || (in > 0 && !packed) || !column_sums || !scales))
     throw std::invalid_argument("null data pointer, or both y and y_u8");
   fastbert::GemmInt8CpuArgs a{};
   a.packed = reinterpret_cast<const int8_t*>(packed);

@@ -19,6 +19,9 @@
 
 namespace fastbert {
 
+// The most inputs whose products (u8 x 7-bit) sum within int32: (2^31 - 1) / (255 x 63).
+constexpr int64_t kGemmInt8MaxIn = 133676;
+
 struct GemmInt8CpuArgs {
   const uint8_t* x;            // [rows, in], row r at x + r * x_stride
   int64_t x_stride;

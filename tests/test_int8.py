@@ -149,14 +149,38 @@ def test_bad_input_raises():
         int8_linear.quantize_weight(torch.randn(8, 4), 7, library="mkl")
 
 
+def test_native_gemm_edges():
+    """No inputs (the result is the bias), and a bias and residual that are not contiguous: the copies the launcher
+    makes live until the kernel has read them (a large residual's copy, freed early, is unmapped memory)."""
+    native = int8_linear.native_gemm
+    if native.unavailable_reasons():
+        pytest.skip("; ".join(native.unavailable_reasons()))
+    empty = native.pack(torch.zeros(5, 0, dtype=torch.int8), torch.ones(5))
+    bias = torch.arange(5.0)
+    torch.testing.assert_close(native.linear(torch.zeros(3, 0, dtype=torch.uint8), 1.0, 0, empty, bias),
+                               bias.expand(3, 5), rtol=0, atol=0)
+    torch.testing.assert_close(native.linear_quantizing(torch.zeros(3, 0), 3, None, empty, bias), bias.expand(3, 5),
+                               rtol=0, atol=0)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-63, 64, (4096, 4), dtype=torch.int8, generator=generator)
+    packed = native.pack(weight, torch.ones(4096))
+    q = torch.randint(0, 256, (4096, 4), dtype=torch.uint8, generator=generator)
+    residual = torch.randn(4096, 4096, generator=generator).t()  # (transposed: copied by the launcher; 64 MB: mmap)
+    strided_bias = torch.randn(8192, generator=generator)[::2]
+    y = native.linear(q, 1.0, 0, packed, strided_bias, residual=residual)
+    exact = q.double() @ weight.double().t() + strided_bias.double() + residual.double()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
+
+
 def test_native_gemm_checks_its_arguments():
     """fastbert._C's int8 GEMM: a weight past 7 bits is refused when packed; wrong tensors are named before the
     kernel runs; the extension itself refuses null pointers and bad scales."""
     native = int8_linear.native_gemm
     if native.unavailable_reasons():
         pytest.skip("; ".join(native.unavailable_reasons()))
-    with pytest.raises(ValueError, match="7-bit"):
-        native.pack(torch.full((4, 8), 64, dtype=torch.int8), torch.ones(4))
+    for level in (64, -64, -128):  # (-128: its abs() wraps to itself)
+        with pytest.raises(ValueError, match="7-bit"):
+            native.pack(torch.full((4, 8), level, dtype=torch.int8), torch.ones(4))
     with pytest.raises(ValueError, match="int8 CPU tensor"):
         native.pack(torch.ones(4, 8), torch.ones(4))
     with pytest.raises(ValueError, match="scales must be"):

@@ -61,8 +61,8 @@ def quantize_weight_ref(weight: torch.Tensor, bits: int, smooth: torch.Tensor | 
 
 
 def gemm_library(bits: int) -> str:
-    """Which int8 GEMM multiplies ``bits``-bit weights here: "native" (fastbert._C's, 7 bits on AVX2: exact and ~4x
-    faster than oneDNN's at a sentence's size) or "onednn" (8 bits, VNNI or AMX: its kernels use them)."""
+    """Which int8 GEMM multiplies ``bits``-bit weights here: "native" (fastbert._C's, 7 bits on AVX2: exact, and
+    2-4x faster than oneDNN's at a sentence's size) or "onednn" (8 bits, VNNI or AMX: its kernels use them)."""
     return "native" if bits == 7 and not native_gemm.unavailable_reasons() else "onednn"
 
 
@@ -73,6 +73,8 @@ def quantize_weight(weight: torch.Tensor, bits: int, smooth: torch.Tensor | None
     library = gemm_library(bits) if library is None else library
     if library not in ("native", "onednn") or (library == "native" and bits != 7):
         raise ValueError(f"library must be 'onednn', or 'native' with 7-bit weights; got {library!r}, {bits} bits")
+    if library == "native" and native_gemm.unavailable_reasons():
+        raise ValueError(f"library 'native' does not run here: {'; '.join(native_gemm.unavailable_reasons())}")
     quantized, scales = quantize_weight_ref(weight, bits, smooth)
     packed = (native_gemm.pack(quantized, scales) if library == "native"
               else torch.ops.onednn.qlinear_prepack(quantized, None))
@@ -340,7 +342,8 @@ def _per_call(x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor
     """x quantized with the range of its ``rows``, then ``_linear_u8`` (one step of a CPU replay: the scale is the
     data's; given the layout, the step reads the token count of the layout each replay passes)."""
     rows = rows if isinstance(rows, (int, torch.Tensor)) else rows.tokens
-    if isinstance(weight.packed, native_gemm.PackedWeight) and not quantize_cpu_unavailable_reasons() and (
+    # (a native weight is built only where fastbert._C's quantizer runs too: the same CPU and build checks)
+    if type(weight.packed) is native_gemm.PackedWeight and (
             output is None or activation is None or ACTIVATIONS.get(activation) == "gelu_erf"):
         return native_gemm.linear_quantizing(x, rows, weight.smooth, weight.packed, bias, activation, residual,
                                              output)
@@ -353,7 +356,7 @@ def _per_token(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
                residual: torch.Tensor | None) -> torch.Tensor:
     """x quantized with one scale per token, the GEMM, then its bias, residual and activation (one step; fastbert's
     int8 GEMM scales each row and runs the rest in its epilogue)."""
-    if isinstance(weight.packed, native_gemm.PackedWeight) and not quantize_cpu_unavailable_reasons():
+    if type(weight.packed) is native_gemm.PackedWeight:
         return native_gemm.linear_quantizing(x, x.shape[0], weight.smooth, weight.packed, bias, activation, residual,
                                              per_token=True)
     q, scales = quantize_activation_per_token(x, weight.smooth)

@@ -25,6 +25,7 @@ from ..kernels.activation import ACTIVATIONS, activation_ref
 PANEL = 16  # output columns per panel (csrc/gemm_int8_cpu.h)
 GROUP = 4  # inputs per group: 4 u8 broadcast as one int32
 LEVELS = 63  # the largest weight magnitude the kernel sums exactly (7 bits)
+MAX_IN = (2 ** 31 - 1) // (255 * LEVELS)  # inputs whose u8 x s8 products sum within int32 (133,676)
 
 
 @functools.cache
@@ -42,6 +43,20 @@ class PackedWeight:
 
     def __init__(self, panels: torch.Tensor, column_sums: torch.Tensor, scales: torch.Tensor, out: int,
                  in_features: int):
+        count, groups = -(-out // PANEL), -(-in_features // GROUP)
+        if not (panels.dtype == torch.int8 and panels.is_cpu and panels.is_contiguous()
+                and panels.shape == (count, groups, PANEL, GROUP)):
+            raise ValueError(f"panels must be a contiguous int8 CPU tensor [{count}, {groups}, {PANEL}, {GROUP}], "
+                             f"got {tuple(panels.shape)} {panels.dtype} on {panels.device}")
+        if not (column_sums.dtype == torch.int32 and column_sums.is_cpu and column_sums.is_contiguous()
+                and column_sums.shape == (count * PANEL,)):
+            raise ValueError(f"column_sums must be contiguous int32 [{count * PANEL}] on the CPU, got "
+                             f"{tuple(column_sums.shape)} {column_sums.dtype}")
+        if not (scales.dtype == torch.float32 and scales.is_cpu and scales.is_contiguous() and scales.shape == (out,)):
+            raise ValueError(f"scales must be contiguous float32 [{out}] on the CPU, got {tuple(scales.shape)} "
+                             f"{scales.dtype}")
+        if in_features > MAX_IN:
+            raise ValueError(f"the int8 GEMM sums at most {MAX_IN} inputs in int32, got {in_features}")
         self.panels, self.column_sums, self.scales = panels, column_sums, scales
         self.out, self.in_features = out, in_features
 
@@ -55,7 +70,7 @@ def pack(quantized: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
     if scales.dtype != torch.float32 or scales.shape != quantized.shape[:1] or scales.device.type != "cpu":
         raise ValueError(f"scales must be float32 [{quantized.shape[0]}] on the CPU, got {tuple(scales.shape)} "
                          f"{scales.dtype} on {scales.device}")
-    if quantized.numel() and int(quantized.abs().max()) > LEVELS:
+    if quantized.numel() and (int(quantized.min()) < -LEVELS or int(quantized.max()) > LEVELS):  # (abs(-128) wraps)
         raise ValueError(f"the native int8 GEMM sums 7-bit weights exactly: |W_q| must be <= {LEVELS}")
     out, in_features = quantized.shape
     panels, groups = -(-out // PANEL), -(-in_features // GROUP)
@@ -75,20 +90,20 @@ def linear(q: torch.Tensor, scale: float, zero_point: int, packed: PackedWeight,
         raise ValueError(f"q must be a u8 CPU tensor [tokens, {packed.in_features}], got {tuple(q.shape)} {q.dtype} "
                          f"on {q.device}")
     q = q.contiguous()
-    y, args = _epilogue_args(q.shape[0], packed, bias, activation, residual, output)
+    y, held, args = _epilogue_args(q.shape[0], packed, bias, activation, residual, output)  # (held: until it returns)
     _extension._C.gemm_int8_cpu(q.data_ptr(), q.shape[1], packed.panels.data_ptr(), packed.column_sums.data_ptr(),
                                 packed.scales.data_ptr(), scale, zero_point, *args)
     return y if activation is None or args[-1] else activation_ref(y, activation)
 
 
-@run.step
 def linear_quantizing(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None, packed: PackedWeight,
                       bias: torch.Tensor | None, activation: str | None = None, residual: torch.Tensor | None = None,
                       output: tuple[float, int] | None = None, per_token: bool = False) -> torch.Tensor:
     """``linear`` of float32 x quantized in the same native call: per call (``int8_linear.quantize_per_call``'s bytes:
     the range of its first ``rows`` rows, or of the rows ``rows`` indexes, of x / smooth), or ``per_token``
     (``quantize_per_token``'s bytes, each row's result times its scale before the bias; ``rows`` unread). No u8
-    tensor, no second call. A step of a CPU replay."""
+    tensor, no second call. Called inside the steps of ``int8/linear.py`` (``_per_call``, ``_per_token``), which a
+    CPU replay records: no step of its own."""
     if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == packed.in_features):
         raise ValueError(f"x must be a float32 CPU tensor [tokens, {packed.in_features}], got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
@@ -105,7 +120,7 @@ def linear_quantizing(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.T
         raise ValueError(f"rows must be in [0, {x.shape[0]}], got {rows}")
     x = x.contiguous()
     smooth = None if smooth is None else smooth.contiguous()
-    y, args = _epilogue_args(x.shape[0], packed, bias, activation, residual, output)
+    y, held, args = _epilogue_args(x.shape[0], packed, bias, activation, residual, output)  # (held: until it returns)
     _extension._C.gemm_int8_quantizing_cpu(
         x.data_ptr(), 0 if smooth is None else smooth.data_ptr(), 0 if index is None else index.data_ptr(),
         rows if index is None else index.numel(), per_token, packed.panels.data_ptr(), packed.column_sums.data_ptr(),
@@ -114,8 +129,9 @@ def linear_quantizing(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.T
 
 
 def _epilogue_args(rows: int, packed: PackedWeight, bias, activation, residual, output) -> tuple:
-    """The checked epilogue of a GEMM of ``rows`` rows: its result y and the kernel's arguments from the bias on
-    (bias, residual, y, y_u8, y_scale, y_zero_point, rows, in, out, threads, gelu)."""
+    """The checked epilogue of a GEMM of ``rows`` rows: its result y, the tensors the kernel reads (the caller holds
+    them until the kernel returns: a contiguous copy made here has no other reference) and the kernel's arguments
+    from the bias on (bias, residual, y, y_u8, y_scale, y_zero_point, rows, in, out, threads, gelu)."""
     out = packed.out
     if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (out,)):
         raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype} on "
@@ -131,6 +147,6 @@ def _epilogue_args(rows: int, packed: PackedWeight, bias, activation, residual, 
     residual = None if residual is None else residual.contiguous()
     y = torch.empty(rows, out, dtype=torch.float32 if output is None else torch.uint8)
     y_scale, y_zero_point = (1.0, 0) if output is None else output
-    return y, (0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
+    return y, (bias, residual), (0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
                y.data_ptr() if output is None else 0, 0 if output is None else y.data_ptr(), y_scale, y_zero_point,
                rows, packed.in_features, out, torch.get_num_threads(), fused_gelu)
