@@ -8,15 +8,12 @@
 // F.linear (MKL) ran 100-125.
 #include "gemm_cpu.h"
 #include "gelu_avx2.h"
+#include "gemm_tasks.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define FASTBERT_X86_GEMM 1
@@ -29,8 +26,6 @@ namespace {
 constexpr int kPanel = 16;         // columns per panel: 2 AVX2 vectors
 constexpr int kTileRows = 6;       // rows per register tile
 constexpr int64_t kPartial = 64;   // inputs summed from zero before joining an output's running sum
-constexpr int64_t kBlockRows = 256;
-constexpr int64_t kBlockPanels = 4;
 constexpr int64_t kFlopsPerThread = 1 << 18;  // below this a GEMM runs on one thread (a region costs ~2 us)
 
 #if defined(FASTBERT_X86_GEMM)
@@ -155,29 +150,14 @@ bool gemm_cpu_available() {
 void gemm_cpu(const GemmCpuArgs& a, int num_threads) {
   if (!gemm_cpu_available()) throw std::runtime_error("fastbert's CPU GEMM needs an x86-64 CPU with AVX2 and FMA");
 #if defined(FASTBERT_X86_GEMM)
-  const int64_t panels = (a.out + kPanel - 1) / kPanel;
-  const int64_t row_blocks = (a.rows + kBlockRows - 1) / kBlockRows;
-#if defined(_OPENMP)
-  const int most = num_threads > 0 ? num_threads : omp_get_max_threads();
-#else
-  const int most = 1;
-  (void)num_threads;
-#endif
-  // Panels per task: up to kBlockPanels, fewer where that would leave under 4 tasks per thread.
-  const int64_t block_panels = std::clamp<int64_t>(row_blocks * panels / (4 * std::max(most, 1)), 1, kBlockPanels);
-  const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
-  const int64_t tasks = row_blocks * panel_blocks;
-  const int threads =
-      2 * a.rows * a.in * a.out < kFlopsPerThread ? 1 : static_cast<int>(std::min<int64_t>(most, tasks));
-  // Dynamic: a thread the OS deschedules (a busy machine) leaves its later tasks to the others.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t row0 = (task / panel_blocks) * kBlockRows, p0 = (task % panel_blocks) * block_panels;
-    const int64_t rows = std::min(kBlockRows, a.rows - row0);
-    const int64_t p1 = std::min(panels, p0 + block_panels);
+  const GemmTasks split(a.rows, a.in, a.out, kPanel, num_threads, kFlopsPerThread);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(split.threads) if (split.threads > 1)
+  for (int64_t task = 0; task < split.tasks; ++task) {
+    const int64_t row0 = split.row0(task), rows = split.rows(task, a.rows);
+    const int64_t p0 = split.first_panel(task), p1 = split.end_panel(task);
     // After its last panel a thread most likely takes the task `threads` further on (dynamic, but near round robin).
-    const int64_t later = task + threads;
-    const int64_t next_task_panel = later < tasks ? (later % panel_blocks) * block_panels : -1;
+    const int64_t later = task + split.threads;
+    const int64_t next_task_panel = later < split.tasks ? split.first_panel(later) : -1;
     for (int64_t p = p0; p < p1; ++p) panel_rows(a, row0, rows, p, p + 1 < p1 ? p + 1 : next_task_panel);
   }
 #else

@@ -2,21 +2,17 @@
 // baseline), 4 rows x 16 columns of int32 accumulators per register tile. Per 4 inputs: 2 loads of the weight panel
 // (16 outputs x 4 inputs), per row one broadcast of its 4 u8 inputs, then vpmaddubsw (u8 x s8 pairs summed into
 // int16) and vpmaddwd by ones (pairs of those into int32) per 8 outputs: 2 multiplies for 32 products, where the
-// float32 GEMM's FMA does 8. A thread's task is up to 256 rows by up to 4 panels, the whole input dimension in one
-// sweep, as gemm_cpu.cpp's.
+// float32 GEMM's FMA does 8. Threads take tasks of rows by panels as gemm_cpu.cpp's (gemm_tasks.h).
 #include "gemm_int8_cpu.h"
 
 #include "gelu_avx2.h"
+#include "gemm_tasks.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define FASTBERT_X86_GEMM_INT8 1
@@ -29,8 +25,6 @@ namespace {
 constexpr int kPanel = 16;        // columns per panel: 2 AVX2 vectors of int32
 constexpr int kGroup = 4;         // inputs per broadcast: 4 u8 in one int32 lane
 constexpr int kTileRows = 4;      // rows per register tile: 8 accumulators, 2 weights, the ones, a broadcast
-constexpr int64_t kBlockRows = 256;
-constexpr int64_t kBlockPanels = 4;
 constexpr int64_t kOpsPerThread = 1 << 19;  // below this a GEMM runs on one thread (a region costs ~2 us)
 
 #if defined(FASTBERT_X86_GEMM_INT8)
@@ -143,26 +137,11 @@ void gemm_int8_cpu(const GemmInt8CpuArgs& a, int num_threads) {
   if (!gemm_int8_cpu_available())
     throw std::runtime_error("fastbert's int8 CPU GEMM needs an x86-64 CPU with AVX2 and FMA");
 #if defined(FASTBERT_X86_GEMM_INT8)
-  const int64_t panels = (a.out + kPanel - 1) / kPanel;
-  const int64_t row_blocks = (a.rows + kBlockRows - 1) / kBlockRows;
-#if defined(_OPENMP)
-  const int most = num_threads > 0 ? num_threads : omp_get_max_threads();
-#else
-  const int most = 1;
-  (void)num_threads;
-#endif
-  // Panels per task: up to kBlockPanels, fewer where that would leave under 4 tasks per thread.
-  const int64_t block_panels = std::clamp<int64_t>(row_blocks * panels / (4 * std::max(most, 1)), 1, kBlockPanels);
-  const int64_t panel_blocks = (panels + block_panels - 1) / block_panels;
-  const int64_t tasks = row_blocks * panel_blocks;
-  const int threads = 2 * a.rows * a.in * a.out < kOpsPerThread ? 1 : static_cast<int>(std::min<int64_t>(most, tasks));
-  // Dynamic: a thread the OS deschedules (a busy machine) leaves its later tasks to the others.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t row0 = (task / panel_blocks) * kBlockRows, p0 = (task % panel_blocks) * block_panels;
-    const int64_t rows = std::min(kBlockRows, a.rows - row0);
-    for (int64_t p = p0; p < std::min(panels, p0 + block_panels); ++p) panel_rows(a, row0, rows, p);
-  }
+  const GemmTasks split(a.rows, a.in, a.out, kPanel, num_threads, kOpsPerThread);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(split.threads) if (split.threads > 1)
+  for (int64_t task = 0; task < split.tasks; ++task)
+    for (int64_t p = split.first_panel(task); p < split.end_panel(task); ++p)
+      panel_rows(a, split.row0(task), split.rows(task, a.rows), p);
 #else
   (void)a, (void)num_threads;
 #endif

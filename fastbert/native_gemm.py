@@ -68,6 +68,18 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(padded.view(count, PANEL, in_features).transpose(1, 2).contiguous(), out)
 
 
+def check_epilogue(rows: int, out: int, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+    """ValueError unless bias is None or float32 [out] and residual None or float32 [rows, out], on the CPU (the
+    epilogue of this GEMM and of the int8 one, ``int8/native_gemm.py``)."""
+    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (out,)):
+        raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype} on "
+                         f"{bias.device}")
+    if residual is not None and not (residual.is_cpu and residual.dtype is torch.float32
+                                     and residual.shape == (rows, out)):
+        raise ValueError(f"residual must be float32 [{rows}, {out}] on the CPU, got {tuple(residual.shape)} "
+                         f"{residual.dtype} on {residual.device}")
+
+
 @run.step
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, activation: str | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,13 +90,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, act
         raise ValueError(f"x must be a float32 CPU tensor [tokens, {panels.shape[1]}], got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
     rows = x.shape[0]
-    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (out,)):
-        raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype} on "
-                         f"{bias.device}")
-    if residual is not None and not (residual.is_cpu and residual.dtype is torch.float32
-                                     and residual.shape == (rows, out)):
-        raise ValueError(f"residual must be float32 [{rows}, {out}] on the CPU, got {tuple(residual.shape)} "
-                         f"{residual.dtype} on {residual.device}")
+    check_epilogue(rows, out, bias, residual)
     row_stride, column_stride = x.stride()
     if column_stride != 1 or (rows > 1 and row_stride < x.shape[1]):
         x = x.contiguous()

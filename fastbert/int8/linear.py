@@ -143,13 +143,7 @@ def quantize_per_call(x: torch.Tensor, rows, smooth: torch.Tensor | None = None,
     rows (an int) or of the rows ``rows`` indexes ([R] int64), in one pass (``quantize_activation`` calls it).
     ``isa`` (each of these kernels): "avx2" runs the AVX2 rows where AVX-512 runs too (tests), "" the fastest."""
     x, smooth = _quantize_inputs(x, smooth, isa)
-    index = None
-    if isinstance(rows, torch.Tensor):
-        index = rows.to(torch.int64).contiguous()
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
-            raise ValueError(f"rows indexes outside x's {x.shape[0]} rows")
-    elif not 0 <= rows <= x.shape[0]:
-        raise ValueError(f"rows must be in [0, {x.shape[0]}], got {rows}")
+    index = native_gemm.range_rows(x, rows)
     out = torch.empty(x.shape, dtype=torch.uint8, device="cpu")
     scale, zero_point = _extension._C.quantize_per_call_cpu(
         x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], 0 if smooth is None else smooth.data_ptr(),

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from .. import _extension, run
+from .. import _extension, native_gemm as float32_gemm, run
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
 from ..kernels.activation import ACTIVATIONS, activation_ref
 
@@ -111,13 +111,7 @@ def linear_quantizing(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.T
         raise ValueError(f"smooth must be float32 [{x.shape[1]}], got {tuple(smooth.shape)} {smooth.dtype}")
     if per_token and output is not None:
         raise ValueError("a u8 output takes an input quantized per call or statically")
-    index = None
-    if isinstance(rows, torch.Tensor):
-        index = rows.to(torch.int64).contiguous()
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
-            raise ValueError(f"rows indexes outside x's {x.shape[0]} rows")
-    elif not 0 <= rows <= x.shape[0]:
-        raise ValueError(f"rows must be in [0, {x.shape[0]}], got {rows}")
+    index = range_rows(x, rows)
     x = x.contiguous()
     smooth = None if smooth is None else smooth.contiguous()
     y, held, args = _epilogue_args(x.shape[0], packed, bias, activation, residual, output)  # (held: until it returns)
@@ -128,18 +122,25 @@ def linear_quantizing(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.T
     return y if activation is None or args[-1] else activation_ref(y, activation)
 
 
+def range_rows(x: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor | None:
+    """The rows of x [tokens, in] whose range quantizes it per call, checked: None for a count of leading rows
+    (``rows``, in [0, tokens]), or ``rows`` as contiguous int64 indexes into x's rows (the quantizer's arguments)."""
+    if isinstance(rows, torch.Tensor):
+        index = rows.to(torch.int64).contiguous()
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= x.shape[0]):
+            raise ValueError(f"rows indexes outside x's {x.shape[0]} rows")
+        return index
+    if not 0 <= rows <= x.shape[0]:
+        raise ValueError(f"rows must be in [0, {x.shape[0]}], got {rows}")
+    return None
+
+
 def _epilogue_args(rows: int, packed: PackedWeight, bias, activation, residual, output) -> tuple:
     """The checked epilogue of a GEMM of ``rows`` rows: its result y, the tensors the kernel reads (the caller holds
     them until the kernel returns: a contiguous copy made here has no other reference) and the kernel's arguments
     from the bias on (bias, residual, y, y_u8, y_scale, y_zero_point, rows, in, out, threads, gelu)."""
     out = packed.out
-    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (out,)):
-        raise ValueError(f"bias must be float32 [{out}] on the CPU, got {tuple(bias.shape)} {bias.dtype} on "
-                         f"{bias.device}")
-    if residual is not None and not (residual.is_cpu and residual.dtype is torch.float32
-                                     and residual.shape == (rows, out)):
-        raise ValueError(f"residual must be float32 [{rows}, {out}] on the CPU, got {tuple(residual.shape)} "
-                         f"{residual.dtype} on {residual.device}")
+    float32_gemm.check_epilogue(rows, out, bias, residual)
     fused_gelu = residual is None and ACTIVATIONS.get(activation) == "gelu_erf"  # (the kernel's own epilogue)
     if output is not None and activation is not None and not fused_gelu:
         raise ValueError(f"a u8 output takes the erf GELU or no activation, got {activation!r}")
