@@ -2,7 +2,8 @@
 
     python benchmarks/gemm_peak.py [--times fp32:1x128=89.8,bf16:8x128=145.3,...]
 
-Peak: the best GFLOP/s of oneDNN's prepacked linear (``fastbert/cpu_gemm.py``; int8: ``fastbert/int8/linear.py``)
+Peak: the best GFLOP/s of oneDNN's prepacked linear (``fastbert/cpu_gemm.py``; int8: ``fastbert/int8/linear.py``,
+with this CPU's weight bits: fastbert's own int8 GEMM for 7, oneDNN's for 8)
 on bert-base's FFN GEMM, [1024, 768] x [768, 3072], torch's thread count, best of 20 calls after warm-up. A forward's
 work: bert-base's GEMMs (2 x tokens x (4 H^2 + 2 H I) per layer) and attention (4 x tokens x S x H per layer, S the
 padded length: an upper bound) over its real tokens; its share of the peak is that work over (time x that peak).
@@ -23,12 +24,12 @@ H, I, LAYERS = 768, 3072, 12
 
 def peak(dtype: str) -> float:
     from fastbert import cpu_gemm
-    from fastbert.int8 import linear as int8_linear
+    from fastbert.int8 import choices as int8, linear as int8_linear
 
     x = torch.randn(1024, H)
     w = torch.randn(I, H)
     if dtype == "int8":
-        packed = int8_linear.quantize_weight(w, 8)
+        packed = int8_linear.quantize_weight(w, int8.weight_bits())  # (the int8 GEMM fastbert runs here)
         q = int8_linear.quantize_static(x, 0.05, 128)
 
         def call():

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <memory>
 #include <vector>
 
 #include "attention_cpu.h"
@@ -254,12 +255,12 @@ std::pair<double, int64_t> gemm_int8_quantizing_cpu(
   fastbert::GemmInt8CpuArgs a = int8_gemm_args(packed, column_sums, scales, bias, residual, y, y_u8, y_scale,
                                                y_zero_point, rows, in, out, gelu);
   const size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(in);
-  std::vector<uint8_t> large;
-  std::vector<uint8_t>& q = bytes <= kScratchBytes ? scratch : large;
-  if (q.size() < bytes) q.resize(bytes);
+  std::unique_ptr<uint8_t[]> large;  // (past the scratch's size: uninitialized, freed on return)
+  if (bytes <= kScratchBytes && scratch.size() < bytes) scratch.resize(bytes);
+  uint8_t* q = bytes <= kScratchBytes ? scratch.data() : (large.reset(new uint8_t[bytes]), large.get());
   double scale = 1.0;
   int64_t zero_point = 128;
-  const auto q_args = quantize_args(x, reinterpret_cast<std::uintptr_t>(q.data()), rows, in, smooth,
+  const auto q_args = quantize_args(x, reinterpret_cast<std::uintptr_t>(q), rows, in, smooth,
                                     per_token ? 0 : real_index, per_token ? rows : real_rows);
   if (per_token) {
     if (row_scales.size() < static_cast<size_t>(rows)) row_scales.resize(rows);
@@ -269,7 +270,7 @@ std::pair<double, int64_t> gemm_int8_quantizing_cpu(
     fastbert::quantize_per_call_cpu(q_args, &scale, &zero_point, num_threads);
   }
   if (rows * out == 0) return {scale, zero_point};
-  a.x = q.data(), a.x_stride = in;
+  a.x = q, a.x_stride = in;
   a.x_scale = static_cast<float>(scale), a.x_zero_point = static_cast<int32_t>(zero_point);
   fastbert::gemm_int8_cpu(a, num_threads);
   return {scale, zero_point};

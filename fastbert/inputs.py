@@ -138,8 +138,9 @@ def _note_first_token(model, layout: padding.TokenLayout, first_is_real: tuple[i
 
 
 def _bucketed(model, indices: torch.Tensor, layout: padding.TokenLayout):
-    """Spare rows up to ``padding.bucket_rows`` where oneDNN runs the GEMMs (its fp32 linear, or its int8 one for a
-    model ``fastbert.quantize`` chose): its memory grows with every distinct row count it sees."""
+    """Spare rows up to ``padding.bucket_rows`` where oneDNN runs the GEMMs (its fp32 linear) or a model
+    ``fastbert.quantize`` chose runs int8 ones: oneDNN's memory grows with every distinct row count it sees, and a
+    replay's programs are per row count (a few buckets serve a server's varied batches)."""
     if plans.decided(model, "bucket_rows", _buckets_rows, model):
         return padding.with_spare_rows(indices, layout, padding.bucket_rows(layout.tokens))
     return indices, layout

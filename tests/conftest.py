@@ -37,10 +37,10 @@ os.environ.setdefault("FASTBERT_NUM_THREADS", str(torch.get_num_threads()))
 @pytest.fixture
 def int8_on(fastbert_env):
     """Int8 GEMMs forced on (``FASTBERT_CPU_INT8=on``), so int8 tests do not depend on this CPU's measurement;
-    skipped where oneDNN's int8 linear cannot run."""
-    from fastbert.int8 import linear as int8_linear
+    skipped where the int8 linear this CPU's weight bits take cannot run."""
+    from fastbert.int8 import choices as int8, linear as int8_linear
 
-    reasons = int8_linear.unavailable_reasons()
+    reasons = int8_linear.unavailable_reasons(int8.weight_bits())
     if reasons:
         pytest.skip("; ".join(reasons))
     fastbert_env(FASTBERT_CPU_INT8="on")

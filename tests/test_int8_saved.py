@@ -165,8 +165,9 @@ def test_the_log_is_a_sentence(int8_on, small_bert_config, caplog):
 
 
 def test_token_rows_are_bucketed_for_int8(int8_on, small_bert_config, monkeypatch):
-    """oneDNN's int8 linear keeps a primitive per distinct row count too: a quantized model's padding-free rows go as
-    one of a few bucket sizes (a server's varied batches do not grow its memory), and the spare rows change nothing."""
+    """oneDNN's int8 linear keeps a primitive per distinct row count too, and replays are per row count: a quantized
+    model's padding-free rows go as one of a few bucket sizes (a server's varied batches do not grow its memory), and
+    the spare rows change nothing."""
     from fastbert import padding
     from fastbert.int8 import linear as int8_linear
 

@@ -6,7 +6,9 @@
     choices.py       which Linears and attentions run in int8 (a ``Choice`` on the module), whether int8 runs here,
                      and the ranges the guard records of the GEMM inputs
     decisions.py     a decision applied again from a checkpoint's config, and reported
-    linear.py        the int8 GEMM through oneDNN's quantized linear, and the activation quantizers
+    linear.py        the int8 GEMM (fastbert's own for 7-bit weights, oneDNN's quantized linear for 8-bit ones), and
+                     the activation quantizers
+    native_gemm.py   fastbert._C's int8 GEMM (CPUs without VNNI: 7-bit weights)
     handoff.py       the u8 an op writes beside its output for the int8 GEMM that reads it next
 
 The ops run them through their ``int8`` backends (``ops/gemm.py``, ``ops/mlp.py``, ``ops/norm.py``,

@@ -8,10 +8,10 @@ runs on this CPU at all. ``fastbert.quantize`` (``quantize.py``) chooses the Lin
 - The activation range of each GEMM is taken over the rows that are real tokens (``run.real_rows``): packed batches
   carry spare rows after them, dense batches with ``unpad=False`` carry padding. So padding never widens it, and a
   sentence's embedding does not depend on its batch beyond the range its batch mates set.
-- Int8 runs where the CPU has oneDNN's quantized linear, it measures faster than the fp32 GEMM that would run
-  otherwise (``cpu.int8_figures``, once per machine, like the fp32 GEMM choice; ``FASTBERT_CPU_INT8=on`` skips that
-  test, ``off`` keeps float32), the model is float32 on the CPU and no gradient is needed: training runs the fp32
-  GEMMs, said once.
+- Int8 runs where the CPU runs its int8 GEMM (fastbert's own with 7-bit weights, oneDNN's with 8), it measures
+  faster than the fp32 GEMM that would run otherwise (``cpu.int8_figures``, once per machine, like the fp32 GEMM
+  choice; ``FASTBERT_CPU_INT8=on`` skips that test, ``off`` keeps float32), the model is float32 on the CPU and no
+  gradient is needed: training runs the fp32 GEMMs, said once.
 """
 
 import base64
@@ -191,7 +191,7 @@ def unavailable_reasons() -> list[str]:
     """Why int8 GEMMs do not run on this machine with these settings (empty: they do)."""
     if dispatch.settings().cpu_int8 == "off":
         return [f"{dispatch.ENV_CPU_INT8}=off"]
-    reasons = int8_linear.unavailable_reasons()
+    reasons = int8_linear.unavailable_reasons(weight_bits())
     if not reasons and dispatch.settings().cpu_int8 == "auto":  # ("on": wherever it runs, measured or not)
         slower = cpu.int8_slower_reason(weight_bits(), INT8_MARGIN)
         reasons += [slower] if slower else []

@@ -8,7 +8,7 @@ and compares, per sentence, the mean-pooled embeddings of every encoder (cosine)
 logits (argmax agreement, cosine). It passes at mean cosine >= 0.99, 1st percentile >= 0.98, agreement >= 99 %. It
 tries, in turn (``RECIPES``):
 
-a. one activation scale per GEMM call (bias, activation and residual in oneDNN's epilogue);
+a. one activation scale per GEMM call (bias, activation and residual in the GEMM's epilogue);
 b. SmoothQuant: each GEMM input x divided per channel by s_j = max|x_j|^0.5 / max|W_j|^0.5 (max over the sentences
    and the Linears sharing that input) and W multiplied by it, so outlier channels of the activation move into the
    weight, which has a scale per row; and one scale per token for the input of the MLP's output GEMM (after GELU:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .. import _extension, run
 from ..cpu_gemm import EPILOGUES
 # (fastbert.kernels: the repository's top-level kernels/ folder, installed under that name by setup.py)
-from ..kernels.activation import ACTIVATIONS, activation_ref
+from ..kernels.activation import activation_ref
 from . import handoff as int8_handoff, native_gemm
 
 
@@ -62,7 +62,8 @@ def quantize_weight_ref(weight: torch.Tensor, bits: int, smooth: torch.Tensor | 
 
 def gemm_library(bits: int) -> str:
     """Which int8 GEMM multiplies ``bits``-bit weights here: "native" (fastbert._C's, 7 bits on AVX2: exact, and
-    2-4x faster than oneDNN's at a sentence's size) or "onednn" (8 bits, VNNI or AMX: its kernels use them)."""
+    2-4x faster than oneDNN's at a sentence's size) or "onednn" (8 bits, where VNNI or AMX sum them in int32: its
+    kernels use them; and 7 bits where fastbert._C's does not run)."""
     return "native" if bits == 7 and not native_gemm.unavailable_reasons() else "onednn"
 
 
@@ -279,8 +280,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
            output: tuple[float, int] | None = None) -> torch.Tensor:
     """act(x @ W^T + b), or x @ W^T + b + residual, x quantized with the range of its ``rows`` (a count of leading
     rows, or [R] indices, or a ``padding.TokenLayout``: its ``tokens`` leading rows; None: all), or with one scale
-    per token (``per_token``: finer, and every row's result is its own alone; the bias, activation and residual then
-    run after the GEMM instead of in its epilogue), or with the fixed (scale, zero point) ``static`` (no range taken:
+    per token (``per_token``: finer, and every row's result is its own alone; with oneDNN's GEMM the bias, activation
+    and residual then run after it instead of in its epilogue), or with the fixed (scale, zero point) ``static`` (no range taken:
     one pass less over x). A u8 x is the input already quantized with ``static``. ``output``: (scale, zero point) of
     a u8 result, quantized in the GEMM's epilogue after the activation (the next GEMM's static input: no float32
     result is written), float32 otherwise."""
@@ -315,7 +316,7 @@ def _linear_u8(q: torch.Tensor, scale: float, zero_point: int, weight: Quantized
     """The GEMM of the u8 q (with its scale and zero point) and its epilogue: the bias and the activation, or the
     residual; the result float32, or u8 with ``output``."""
     if isinstance(weight.packed, native_gemm.PackedWeight):
-        if output is not None and activation is not None and ACTIVATIONS.get(activation) != "gelu_erf":
+        if output is not None and not native_gemm.epilogue_quantizes(activation):
             # (an activation the kernel's epilogue lacks runs in torch ops: quantized after it, the same bytes)
             y = native_gemm.linear(q, scale, zero_point, weight.packed, bias, activation)
             return quantize_static(y, *output)
@@ -338,7 +339,7 @@ def _per_call(x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor
     rows = rows if isinstance(rows, (int, torch.Tensor)) else rows.tokens
     # (a native weight is built only where fastbert._C's quantizer runs too: the same CPU and build checks)
     if type(weight.packed) is native_gemm.PackedWeight and (
-            output is None or activation is None or ACTIVATIONS.get(activation) == "gelu_erf"):
+            output is None or native_gemm.epilogue_quantizes(activation)):
         return native_gemm.linear_quantizing(x, rows, weight.smooth, weight.packed, bias, activation, residual,
                                              output)
     q, scale, zero_point = quantize_activation(x, rows, weight.smooth)
@@ -372,29 +373,35 @@ def _gemm_residual(*args) -> torch.Tensor:
     return torch.ops.onednn.qlinear_pointwise.binary(*args)
 
 
-def unavailable_reasons() -> list[str]:
-    """Why the int8 linear cannot run in this torch build or on this CPU (empty: it can)."""
-    if not all(hasattr(torch.ops.onednn, op) for op in ("qlinear_prepack", "qlinear_pointwise")):
+def unavailable_reasons(bits: int) -> list[str]:
+    """Why the int8 linear of ``bits``-bit weights cannot run in this torch build or on this CPU (empty: it can): the
+    reasons of the GEMM ``gemm_library(bits)`` picks, or the error of a trial GEMM with it."""
+    library = gemm_library(bits)
+    if library == "native":
+        name = "fastbert's int8 GEMM"
+    elif not all(hasattr(torch.ops.onednn, op) for op in ("qlinear_prepack", "qlinear_pointwise")):
         return ["this torch build has no oneDNN quantized linear (torch.ops.onednn.qlinear_prepack/qlinear_pointwise)"]
-    if not torch.backends.mkldnn.is_available():
+    elif not torch.backends.mkldnn.is_available():
         return ["this torch build has no oneDNN"]
-    failure = _trial_failure()
-    return [f"oneDNN's int8 linear fails on this CPU and torch build: {failure}"] if failure else []
+    else:
+        name = "oneDNN's int8 linear"
+    failure = _trial_failure(library)
+    return [f"{name} fails on this CPU and torch build: {failure}"] if failure else []
 
 
 @functools.cache
-def _trial_failure() -> str | None:
-    """The error of one tiny int8 GEMM with each epilogue, or None when they run and give the exact result (in a
-    thread of its own, as ``cpu_gemm._trial_failure``)."""
+def _trial_failure(library: str) -> str | None:
+    """The error of one tiny int8 GEMM of ``library`` with each epilogue, or None when they run and give the exact
+    result (in a thread of its own, as ``cpu_gemm._trial_failure``)."""
     from ..threads import in_own_thread
 
-    return in_own_thread(_trial)
+    return in_own_thread(_trial, library)
 
 
-def _trial() -> str | None:
+def _trial(library: str) -> str | None:
     try:
         x, weight = torch.ones(3, 16), torch.ones(8, 16)
-        packed = quantize_weight(weight, 7)
+        packed = quantize_weight(weight, 7, library=library)
         y = linear(x, packed, torch.zeros(8), "gelu")
         linear(x, packed, None, residual=torch.zeros(3, 8))
     except RuntimeError as error:

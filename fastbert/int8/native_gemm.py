@@ -82,7 +82,8 @@ def pack(quantized: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
 
 
 @run.step
-def linear(q: torch.Tensor, scale: float, zero_point: int, packed: PackedWeight, bias: torch.Tensor | None, activation: str | None = None, residual: torch.Tensor | None = None,
+def linear(q: torch.Tensor, scale: float, zero_point: int, packed: PackedWeight, bias: torch.Tensor | None,
+           activation: str | None = None, residual: torch.Tensor | None = None,
            output: tuple[float, int] | None = None) -> torch.Tensor:
     """act((q - zero_point) @ W_q^T * scale * W's scales + bias), or that + residual; float32, or u8 with ``output``
     (its scale and zero point; only with the erf GELU or no activation). A step of a CPU replay (``run.step``)."""
@@ -90,7 +91,8 @@ def linear(q: torch.Tensor, scale: float, zero_point: int, packed: PackedWeight,
         raise ValueError(f"q must be a u8 CPU tensor [tokens, {packed.in_features}], got {tuple(q.shape)} {q.dtype} "
                          f"on {q.device}")
     q = q.contiguous()
-    y, held, args = _epilogue_args(q.shape[0], packed, bias, activation, residual, output)  # (held: until it returns)
+    # (held: the tensors the kernel reads, alive until it returns)
+    y, held, args = _epilogue_args(q.shape[0], packed, bias, activation, residual, output)
     _extension._C.gemm_int8_cpu(q.data_ptr(), q.shape[1], packed.panels.data_ptr(), packed.column_sums.data_ptr(),
                                 packed.scales.data_ptr(), scale, zero_point, *args)
     return y if activation is None or args[-1] else activation_ref(y, activation)
@@ -114,7 +116,8 @@ def linear_quantizing(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.T
     index = range_rows(x, rows)
     x = x.contiguous()
     smooth = None if smooth is None else smooth.contiguous()
-    y, held, args = _epilogue_args(x.shape[0], packed, bias, activation, residual, output)  # (held: until it returns)
+    # (held: the tensors the kernel reads, alive until it returns)
+    y, held, args = _epilogue_args(x.shape[0], packed, bias, activation, residual, output)
     _extension._C.gemm_int8_quantizing_cpu(
         x.data_ptr(), 0 if smooth is None else smooth.data_ptr(), 0 if index is None else index.data_ptr(),
         rows if index is None else index.numel(), per_token, packed.panels.data_ptr(), packed.column_sums.data_ptr(),
@@ -135,14 +138,22 @@ def range_rows(x: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor | None
     return None
 
 
+def epilogue_quantizes(activation: str | None) -> bool:
+    """Whether the kernel's epilogue can write a u8 result after ``activation``: none, or the erf GELU it computes
+    (others run in torch ops after it, on a float32 result)."""
+    return activation is None or ACTIVATIONS.get(activation) == "gelu_erf"
+
+
 def _epilogue_args(rows: int, packed: PackedWeight, bias, activation, residual, output) -> tuple:
     """The checked epilogue of a GEMM of ``rows`` rows: its result y, the tensors the kernel reads (the caller holds
     them until the kernel returns: a contiguous copy made here has no other reference) and the kernel's arguments
     from the bias on (bias, residual, y, y_u8, y_scale, y_zero_point, rows, in, out, threads, gelu)."""
     out = packed.out
     float32_gemm.check_epilogue(rows, out, bias, residual)
-    fused_gelu = residual is None and ACTIVATIONS.get(activation) == "gelu_erf"  # (the kernel's own epilogue)
-    if output is not None and activation is not None and not fused_gelu:
+    if activation is not None and (activation not in ACTIVATIONS or residual is not None):
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, without a residual; got {activation!r}")
+    fused_gelu = activation is not None and epilogue_quantizes(activation)  # (the kernel's own epilogue)
+    if output is not None and not epilogue_quantizes(activation):
         raise ValueError(f"a u8 output takes the erf GELU or no activation, got {activation!r}")
     bias = None if bias is None else bias.contiguous()
     residual = None if residual is None else residual.contiguous()

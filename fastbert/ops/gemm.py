@@ -5,9 +5,10 @@
 
 x: [tokens, in], W: [out, in]. Backends, fastest first:
 
-  int8    a Linear ``fastbert.quantize`` chose, on the CPU: oneDNN's quantized linear (``int8/linear.py``) on its
-          quantized weight (a derived cache), the bias, activation or residual in its epilogue; the input's scale
-          per call, per token or static, as the guard chose
+  int8    a Linear ``fastbert.quantize`` chose, on the CPU: the int8 linear (``int8/linear.py``: fastbert's own
+          GEMM for 7-bit weights, oneDNN's quantized linear for 8-bit ones) on its quantized weight (a derived
+          cache), the bias, activation or residual in its epilogue; the input's scale per call, per token or
+          static, as the guard chose
   onednn  a plain Linear on the CPU, where oneDNN measured faster than torch's F.linear here (``cpu.gemm_figures``):
           the weight prepacked in oneDNN's layout (a derived cache), the epilogue inside the GEMM
   native  a plain float32 Linear on the CPU, where fastbert's own GEMM (``native_gemm``) measured faster than F.linear

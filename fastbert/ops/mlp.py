@@ -5,12 +5,13 @@
 Backends, as the op ``mlp``:
 
   int8   both GEMMs int8 (``fastbert.quantize``) and the second one's input with a static scale and no SmoothQuant
-         divisor: the first GEMM writes that input as u8, quantized by oneDNN after its activation, so the
+         divisor: the first GEMM writes that input as u8, quantized in its epilogue after its activation, so the
          [tokens, intermediate] activations are neither written in float32 nor read again to be quantized (at
          1024 x 768 -> 3072 on an Intel Xeon: 4.0 against 6.1 ms); then the second GEMM with the residual in its
          epilogue, and fastbert._C's LayerNorm handing its u8 to the next int8 GEMM (``norm.handing_off``).
-         Reference: ``int8_linear.linear_ref`` of each GEMM, the first with ``output``; oneDNN rounds the activation
-         in float32 before quantizing it, so a u8 may be a level from the float64 one where that crosses a tie.
+         Reference: ``int8_linear.linear_ref`` of each GEMM, the first with ``output``; the epilogue rounds the
+         activation in float32 before quantizing it, so a u8 may be a level from the float64 one where that crosses
+         a tie (fastbert's int8 GEMM: the static quantizer's bytes of its float32 result).
   torch  the two ops, ``activation.dense_act`` then ``norm.dense_residual_layer_norm``, each on its own backends.
 """
 

@@ -56,13 +56,13 @@ def settings(device: str = "cpu", dtype: str = "auto", int8: bool = False) -> tu
         raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     if dtype == "auto":
         if int8 and where.type != "cpu":
-            raise ValueError("int8 runs on the CPU (int8 GEMMs through oneDNN): use --device cpu, or drop --int8")
+            raise ValueError("int8 runs on the CPU (its int8 GEMMs are CPU kernels): use --device cpu, or drop --int8")
         return where, torch.float32 if int8 else None
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"dtype {dtype!r}: expected auto, {', '.join(DTYPES)}")
     if int8 and where.type != "cpu":
-        raise ValueError("int8 runs on the CPU (int8 GEMMs through oneDNN): use --device cpu, or drop --int8")
+        raise ValueError("int8 runs on the CPU (its int8 GEMMs are CPU kernels): use --device cpu, or drop --int8")
     if int8 and torch_dtype != torch.float32:
         raise ValueError(f"int8 quantizes a float32 model: use --dtype float32 (not {dtype}) with --int8")
     if torch_dtype == torch.bfloat16 and where.type == "cpu" and not cpu.native_bf16():
