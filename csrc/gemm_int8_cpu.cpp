@@ -71,7 +71,8 @@ AVX2 inline void tile(const GemmInt8CpuArgs& a, const uint8_t* x, const int8_t* 
     bias[j] = a.bias ? a.bias[column + j] : 0.f;
   }
   const __m256i z = _mm256_set1_epi32(a.x_zero_point);
-  const __m256i zs0 = _mm256_mullo_epi32(z, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.column_sums + column)));
+  const __m256i zs0 =
+      _mm256_mullo_epi32(z, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.column_sums + column)));
   const __m256i zs1 =
       _mm256_mullo_epi32(z, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.column_sums + column + 8)));
   for (int r = 0; r < R; ++r) {

@@ -259,8 +259,8 @@ def static_qparams(low: torch.Tensor, high: torch.Tensor, smooth: torch.Tensor |
 
 
 def report() -> dict:
-    """``fastbert.info()["int8"]``: whether int8 runs here, why not, on which ISA path and GEMM ("native": fastbert._C's,
-    "onednn"), what was measured."""
+    """``fastbert.info()["int8"]``: whether int8 runs here, why not, on which ISA path and GEMM ("native":
+    fastbert._C's, "onednn"), what was measured."""
     reasons = unavailable_reasons()
     return {
         "available": not reasons,

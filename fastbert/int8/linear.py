@@ -281,10 +281,10 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
     """act(x @ W^T + b), or x @ W^T + b + residual, x quantized with the range of its ``rows`` (a count of leading
     rows, or [R] indices, or a ``padding.TokenLayout``: its ``tokens`` leading rows; None: all), or with one scale
     per token (``per_token``: finer, and every row's result is its own alone; with oneDNN's GEMM the bias, activation
-    and residual then run after it instead of in its epilogue), or with the fixed (scale, zero point) ``static`` (no range taken:
-    one pass less over x). A u8 x is the input already quantized with ``static``. ``output``: (scale, zero point) of
-    a u8 result, quantized in the GEMM's epilogue after the activation (the next GEMM's static input: no float32
-    result is written), float32 otherwise."""
+    and residual then run after it instead of in its epilogue), or with the fixed (scale, zero point) ``static``
+    (no range taken: one pass less over x). A u8 x is the input already quantized with ``static``. ``output``:
+    (scale, zero point) of a u8 result, quantized in the GEMM's epilogue after the activation (the next GEMM's static
+    input: no float32 result is written), float32 otherwise."""
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.uint8) or x.shape[1] != weight.in_features:
         raise ValueError(f"x must be float32 (or u8, quantized) [tokens, {weight.in_features}], got {tuple(x.shape)} "
                          f"{x.dtype}")

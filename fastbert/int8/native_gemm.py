@@ -159,6 +159,7 @@ def _epilogue_args(rows: int, packed: PackedWeight, bias, activation, residual, 
     residual = None if residual is None else residual.contiguous()
     y = torch.empty(rows, out, dtype=torch.float32 if output is None else torch.uint8)
     y_scale, y_zero_point = (1.0, 0) if output is None else output
-    return y, (bias, residual), (0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
-               y.data_ptr() if output is None else 0, 0 if output is None else y.data_ptr(), y_scale, y_zero_point,
-               rows, packed.in_features, out, torch.get_num_threads(), fused_gelu)
+    args = (0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
+            y.data_ptr() if output is None else 0, 0 if output is None else y.data_ptr(), y_scale, y_zero_point, rows,
+            packed.in_features, out, torch.get_num_threads(), fused_gelu)
+    return y, (bias, residual), args

@@ -14,10 +14,10 @@ Each op module reads top to bottom: the call it decides on, the implementations 
 ``_C`` bindings, the torch paths), its backends declared as data (``dispatch.Backend``: a name, the reasons it cannot
 run, how it runs) and the function the layers call. The Triton kernels, with the pure-PyTorch references they are
 checked against, live in ``kernels/`` (installed as ``fastbert.kernels``); the CPU GEMM libraries in ``cpu_gemm.py``
-(oneDNN), ``native_gemm.py`` (fastbert's float32 GEMM) and ``int8/`` (``linear.py``, ``native_gemm.py``). A call's decision is taken by ``dispatch.decide`` and kept in the forward's plan
-(``plan.decided``) under its owning module: every op takes transformers' modules that own the weights, reads their
-weights only when they are plain (``plain.is_plain``) and calls them otherwise, so PEFT, hooks, offload and
-quantization run as in transformers.
+(oneDNN), ``native_gemm.py`` (fastbert's float32 GEMM) and ``int8/`` (``linear.py``, ``native_gemm.py``). A call's
+decision is taken by ``dispatch.decide`` and kept in the forward's plan (``plan.decided``) under its owning module:
+every op takes transformers' modules that own the weights, reads their weights only when they are plain
+(``plain.is_plain``) and calls them otherwise, so PEFT, hooks, offload and quantization run as in transformers.
 """
 
 import torch

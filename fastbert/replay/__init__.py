@@ -2,7 +2,8 @@
 without the Python of the ops between them.
 
 A bert-base int8 forward at 1 x 128 on two cores (an Intel Xeon with VNNI) made 86 native calls (oneDNN's GEMMs,
-fastbert._C's attention and LayerNorms) in ~28 ms, and ~6 ms more of Python around them: deciding, checking and handing activations on, op by op.
+fastbert._C's attention and LayerNorms) in ~28 ms, and ~6 ms more of Python around them: deciding, checking and
+handing activations on, op by op.
 Once a plan (``plan.py``) has run a shape, that Python has nothing left to decide: so the encoder's forward is
 recorded once as the list of its *steps*, and the next forwards of that plan and shape call the steps alone.
 
