@@ -464,6 +464,10 @@ PYBIND11_MODULE(_C, m) {
         "A torch module tree's key, one entry per module (fastbert/plan.py's structure_ref, built natively).",
         py::arg("model"));
 
+  m.def("module_tree_matches", &fastbert::module_tree_matches,
+        "module_tree(model) == key, building no tuple where the tree holds the key's very modules without hooks.",
+        py::arg("model"), py::arg("key"));
+
   m.def("parameter_state", &fastbert::parameter_state,
         "(versions, layout, fingerprint) of the tensors in params (fastbert/derived.py's state_ref, less its epoch), "
         "or None where a CPU tensor is not contiguous.",

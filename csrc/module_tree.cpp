@@ -90,7 +90,102 @@ PyObject* parameters_of(PyObject* parameters) {
   return entries.release().ptr();
 }
 
+// a == b: identity, what an unchanged tree gives, else Python's ==.
+bool same(PyObject* a, PyObject* b) {
+  if (a == b) return true;
+  const int equal = PyObject_RichCompareBool(a, b, Py_EQ);
+  if (equal < 0) throw py::error_already_set();
+  return equal > 0;
+}
+
+// Whether ``entries`` (a tuple parameters_of built) is parameters_of(parameters), an exact dict with some.
+bool same_parameters(PyObject* parameters, PyObject* entries) {
+  py::object values = py::reinterpret_steal<py::object>(values_of(parameters));  // (held: the reads below run code)
+  const Py_ssize_t count = PyTuple_GET_SIZE(values.ptr());
+  if (!PyTuple_CheckExact(entries) || PyTuple_GET_SIZE(entries) != count) return false;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject *p = PyTuple_GET_ITEM(values.ptr(), i), *entry = PyTuple_GET_ITEM(entries, i);
+    if (p == Py_None || entry == Py_None) {
+      if (p != entry) return false;
+      continue;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0)) != p
+        || !same(reinterpret_cast<PyObject*>(Py_TYPE(p)), PyTuple_GET_ITEM(entry, 1))) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return false;
+    }
+    py::object requires_grad = py::reinterpret_steal<py::object>(checked(PyObject_GetAttr(p, names().requires_grad)));
+    if (!same(requires_grad.ptr(), PyTuple_GET_ITEM(entry, 2))) return false;
+  }
+  return true;
+}
+
+// module_tree(model) == key, reading the tree as module_tree does but building nothing where each module is the
+// key's very object and has no hooks and a plain dict of children; elsewhere (hooks, an OrderedDict, an equal but
+// other object) the tuple is built and compared.
+bool matches(py::handle model, py::handle key) {
+  const Names& name = names();
+  PyObject* entries = key.ptr();
+  if (!PyTuple_CheckExact(entries)) return false;
+  const Py_ssize_t count = PyTuple_GET_SIZE(entries);
+  Py_ssize_t at = 0;
+  // (borrowed: each held by the key, whose children are walked once found to be the tree's very modules)
+  std::vector<PyObject*> stack{model.ptr()};
+  while (!stack.empty()) {
+    PyObject* module = stack.back();
+    stack.pop_back();
+    if (at == count) return false;
+    PyObject* entry = PyTuple_GET_ITEM(entries, at++);
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 8 || PyTuple_GET_ITEM(entry, 0) != module) {
+      return same(module_tree(model).ptr(), entries);
+    }
+    py::object dict = py::reinterpret_steal<py::object>(checked(PyObject_GenericGetDict(module, nullptr)));
+    PyObject* d = dict.ptr();
+    // (read in module_tree's order, each held from the moment it is read)
+    py::object modules = py::reinterpret_borrow<py::object>(item(d, name.modules));
+    py::object parameters = py::reinterpret_borrow<py::object>(item(d, name.parameters));
+    py::object hooks[4];
+    bool hooked = false;
+    for (int i = 0; i < 4; ++i) hooks[i] = py::reinterpret_borrow<py::object>(item(d, name.hooks[i]));
+    for (const auto& kind : hooks) hooked = truthy(kind.ptr()) || hooked;
+    py::object training = py::reinterpret_borrow<py::object>(item(d, name.training));
+    PyObject* found = PyDict_GetItemWithError(d, name.p);
+    if (found == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    py::object p = found == nullptr ? py::none() : py::reinterpret_borrow<py::object>(found);
+    const int overridden = PyDict_Contains(d, name.forward);
+    if (overridden < 0) throw py::error_already_set();
+    PyObject* children = PyTuple_GET_ITEM(entry, 5);
+    if (hooked || !PyDict_CheckExact(modules.ptr()) || !PyTuple_CheckExact(children)) {
+      return same(module_tree(model).ptr(), entries);
+    }
+    if (!same(reinterpret_cast<PyObject*>(Py_TYPE(module)), PyTuple_GET_ITEM(entry, 1))
+        || !same(training.ptr(), PyTuple_GET_ITEM(entry, 2)) || !same(p.ptr(), PyTuple_GET_ITEM(entry, 3))
+        || PyTuple_GET_ITEM(entry, 4) != (overridden ? Py_True : Py_False) || PyTuple_GET_ITEM(entry, 6) != Py_None) {
+      return false;
+    }
+    const bool has_parameters = truthy(parameters.ptr());
+    if (has_parameters != (PyTuple_GET_ITEM(entry, 7) != Py_None)
+        || (has_parameters && !same_parameters(parameters.ptr(), PyTuple_GET_ITEM(entry, 7)))) {
+      return false;
+    }
+    // The children: the key's very objects, in the dict's order (nothing here runs Python code)
+    if (PyDict_Size(modules.ptr()) != PyTuple_GET_SIZE(children)) return false;
+    Py_ssize_t position = 0, i = 0;
+    PyObject *name_of_child, *child;
+    while (PyDict_Next(modules.ptr(), &position, &name_of_child, &child)) {
+      if (child != PyTuple_GET_ITEM(children, i++)) return same(module_tree(model).ptr(), entries);
+    }
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(children); ++j) {
+      PyObject* held = PyTuple_GET_ITEM(children, j);
+      if (held != Py_None) stack.push_back(held);  // (pushed in order: the last one is walked first)
+    }
+  }
+  return at == count;
+}
+
 }  // namespace
+
+bool module_tree_matches(py::handle model, py::handle key) { return matches(model, key); }
 
 py::tuple module_tree(py::handle model) {
   const Names& key = names();

@@ -12,4 +12,8 @@ namespace fastbert {
 // fastbert/plan.py's structure_ref builds it. Raises KeyError where a module lacks an nn.Module attribute.
 pybind11::tuple module_tree(pybind11::handle model);
 
+// module_tree(model) == key, for a key it returned: the same reads compared as they are made, building no tuple where
+// the tree holds the key's very modules without hooks (a plan's check before every forward: bert-base's 228 modules).
+bool module_tree_matches(pybind11::handle model, pybind11::handle key);
+
 }  // namespace fastbert

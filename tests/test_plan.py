@@ -102,6 +102,49 @@ def test_settings_and_dtype_change_the_plan(pair, fastbert_env):
     assert fast.__dict__["_fastbert_plan"] is not plan
 
 
+def _changes():
+    """Changes to a tree that its key sees, each as (what, change(model))."""
+    def replace_child(m):
+        m.encoder.layer[-1].output.dropout = torch.nn.Dropout(0.1)
+
+    def replace_parameter(m):
+        m.encoder.layer[0].output.dense.bias = torch.nn.Parameter(m.encoder.layer[0].output.dense.bias.detach())
+
+    return [
+        ("nothing", lambda m: None),
+        ("a forward hook", lambda m: m.encoder.layer[-1].register_forward_hook(lambda *args: None)),
+        ("a backward hook", lambda m: m.pooler.register_full_backward_hook(lambda *args: None)),
+        ("training", lambda m: m.encoder.layer[0].attention.train()),
+        ("a child replaced", replace_child),
+        ("a child added", lambda m: m.encoder.register_module("extra", torch.nn.Identity())),
+        ("a child set to None", lambda m: m.encoder.register_module("pooler_too", None)),
+        ("a parameter replaced", replace_parameter),
+        ("a parameter added", lambda m: m.pooler.register_parameter("extra", torch.nn.Parameter(torch.ones(2)))),
+        ("requires_grad", lambda m: m.embeddings.word_embeddings.weight.requires_grad_(False)),
+        ("a dropout's p", lambda m: setattr(m.encoder.layer[0].output.dropout, "p", 0.5)),
+        ("a forward set on an instance", lambda m: setattr(m.pooler, "forward", m.pooler.forward)),
+        ("children reordered (an OrderedDict)", lambda m: setattr(
+            m.encoder.layer[0], "_modules", collections.OrderedDict(reversed(m.encoder.layer[0]._modules.items())))),
+    ]
+
+
+@pytest.mark.parametrize("what, change", _changes(), ids=[what for what, _ in _changes()])
+def test_the_native_tree_match_is_the_keys_equality(pair, what, change):
+    """``plan.same_structure`` (fastbert._C's ``module_tree_matches``, which compares the tree with a key as it reads
+    it) says what ``structure_ref(model) == key`` says, after each change a plan must see, and of the changed tree
+    with its own key."""
+    matches = getattr(_extension._C, "module_tree_matches", None)
+    if matches is None:
+        pytest.skip("fastbert._C is not built here")
+    fast = copy.deepcopy(pair[1])
+    key = plan.structure_ref(fast)
+    assert matches(fast, key) and plan.same_structure(fast, key)
+    change(fast)
+    assert matches(fast, key) == (plan.structure_ref(fast) == key) == (what == "nothing")
+    assert matches(fast, plan.structure_ref(fast))
+    assert not matches(fast, key[:-1]) and not matches(fast, key + key[-1:]) and not matches(fast, ())
+
+
 def test_the_native_module_tree_is_the_reference(pair):
     """fastbert._C's ``module_tree`` (csrc/module_tree.cpp) builds ``plan.structure_ref``'s tuple, field by field,
     on a tree with hooks of every kind, a None parameter and a None child, dropouts' p, a forward set on an
@@ -126,6 +169,7 @@ def test_the_native_module_tree_is_the_reference(pair):
     built, reference = module_tree(fast), plan.structure_ref(fast)
     assert built == reference
     assert [entry[0] for entry in built] == [entry[0] for entry in reference]
+    assert _extension._C.module_tree_matches(fast, reference)
     broken = torch.nn.Module()
     del broken.__dict__["training"]
     for structure in (module_tree, plan.structure_ref):
