@@ -80,28 +80,41 @@ def check_epilogue(rows: int, out: int, bias: torch.Tensor | None, residual: tor
                          f"{residual.dtype} on {residual.device}")
 
 
-@run.step
+def _launch(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, activation: str | None,
+            residual: torch.Tensor | None) -> torch.Tensor:
+    """The kernel on checked arguments (bias and residual: None or contiguous), x copied where it cannot read it."""
+    row_stride, column_stride = x.stride()
+    if column_stride != 1 or (x.shape[0] > 1 and row_stride < x.shape[1]):
+        x = x.contiguous()
+        row_stride = x.stride(0)
+    rows, out = x.shape[0], packed.out
+    fused_gelu = residual is None and ACTIVATIONS.get(activation) == "gelu_erf"  # (the kernel's own epilogue)
+    y = x.new_empty((rows, out))
+    # (one row: torch calls it contiguous whatever its row stride, which the kernel never reads)
+    _extension._C.gemm_cpu(x.data_ptr(), row_stride if rows > 1 else x.shape[1], packed.panels.data_ptr(),
+                           0 if bias is None else bias.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                           y.data_ptr(), rows, x.shape[1], out, torch.get_num_threads(), fused_gelu)
+    return y if activation is None or fused_gelu else activation_ref(y, activation)
+
+
+def _replayed(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, activation: str | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` as a replay calls it (``run.step``): x and residual as the recorded call's; the bias, a parameter
+    read anew, checked."""
+    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (packed.out,)):
+        check_epilogue(x.shape[0], packed.out, bias, None)
+    return _launch(x, packed, None if bias is None else bias.contiguous(), activation,
+                   None if residual is None else residual.contiguous())
+
+
+@run.step(replayed=_replayed)
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, activation: str | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """act(x @ W^T + b), or x @ W^T + b + residual. A step of a CPU replay (``run.step``)."""
-    panels, out = packed.panels, packed.out
-    # (is_cpu, `is`, one stride() call: a tenth of a microsecond each, for every GEMM of every forward and replay)
-    if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == panels.shape[1]):
-        raise ValueError(f"x must be a float32 CPU tensor [tokens, {panels.shape[1]}], got {tuple(x.shape)} "
+    # (is_cpu, `is`: a tenth of a microsecond each, for every GEMM of every forward)
+    if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.shape[1] == packed.panels.shape[1]):
+        raise ValueError(f"x must be a float32 CPU tensor [tokens, {packed.panels.shape[1]}], got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
-    rows = x.shape[0]
-    check_epilogue(rows, out, bias, residual)
-    row_stride, column_stride = x.stride()
-    if column_stride != 1 or (rows > 1 and row_stride < x.shape[1]):
-        x = x.contiguous()
-        row_stride = x.stride(0)
-    # (one row: torch calls it contiguous whatever its row stride, which the kernel never reads)
-    x_stride = row_stride if rows > 1 else x.shape[1]
-    bias = None if bias is None else bias.contiguous()
-    residual = None if residual is None else residual.contiguous()
-    fused_gelu = residual is None and ACTIVATIONS.get(activation) == "gelu_erf"  # (the kernel's own epilogue)
-    y = x.new_empty((rows, out))
-    _extension._C.gemm_cpu(x.data_ptr(), x_stride, panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                           0 if residual is None else residual.data_ptr(), y.data_ptr(), rows, x.shape[1], out,
-                           torch.get_num_threads(), fused_gelu)
-    return y if activation is None or fused_gelu else activation_ref(y, activation)
+    check_epilogue(x.shape[0], packed.out, bias, residual)
+    return _launch(x, packed, None if bias is None else bias.contiguous(), activation,
+                   None if residual is None else residual.contiguous())

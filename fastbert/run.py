@@ -18,7 +18,7 @@ a forward's ``Run`` takes them from the ``Run`` around it. Everything else start
 This module sits on the ground floor: it imports nothing of fastbert. What records a forward hooks in from above,
 as tinygrad's JIT does with the capture slot of its lower ``realize`` module: the functions that make native calls
 are marked ``@step`` here, and a recorder (``replay/capture.py``) is an object with ``inside`` (> 0 while a step
-runs), ``call(fn, args, kwargs)``, ``decided(op, backend, warning)`` and ``derived_used(owner, name, params,
+runs), ``call(fn, args, kwargs, replayed)``, ``decided(op, backend, warning)`` and ``derived_used(owner, name, params,
 value)``.
 
 The int8 path meets one shape of one plan three ways: its first forward runs op by op and teaches the int8
@@ -117,9 +117,16 @@ def recorder():
     return None if run is None else run.recorder
 
 
-def step(fn):
+def step(fn=None, *, replayed=None):
     """Mark ``fn`` as a step: native code on the tensors it is given, returning new ones (or a tuple of them). A
-    recorder records the call with its arguments; otherwise it is a plain call."""
+    recorder records the call with its arguments; otherwise it is a plain call. ``replayed``: ``fn`` without the
+    checks that a replay's arguments pass by construction (``replay/program.py``: each tensor a step made has the
+    device, dtype and strides that the recorded call's had, and its shape but for a number of token rows that the
+    replay's layout gives; every other value but the layout is the recorded one), which a replay calls instead; the
+    checks of what can change between replays (a parameter read anew, the layout's sequences) stay in it.
+    ``@step`` or ``@step(replayed=...)``."""
+    if fn is None:
+        return functools.partial(step, replayed=replayed)
 
     @functools.wraps(fn)
     def recorded(*args, **kwargs):
@@ -127,7 +134,7 @@ def step(fn):
         capture = None if run is None else run.recorder
         if capture is None or capture.inside:
             return fn(*args, **kwargs)
-        return capture.call(fn, args, kwargs)
+        return capture.call(fn, args, kwargs, replayed or fn)
 
     return recorded
 

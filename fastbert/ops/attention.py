@@ -38,7 +38,7 @@ from ..kernels import attention as triton_attention
 from ..kernels import attention_varlen as triton_varlen
 from ..padding import TokenLayout
 from . import attention_int8
-from .attention_cpu import attention_cpu, attention_cpu_unavailable_reasons
+from .attention_cpu import attention_cpu, attention_cpu_replayed, attention_cpu_unavailable_reasons
 from . import disentangled as position_terms
 from .disentangled import Disentangled, Tables
 from ..plan import decided
@@ -267,7 +267,15 @@ def _sequences(layout: TokenLayout) -> tuple[int, ...]:
 
 # (Both steps take the layout itself, which a replay passes anew: a program recorded for a number of rows serves
 # every packed batch of that many rows, whatever its sequences, ``replay/``.)
-@run.step
+def _cpu_rows_replayed(heads: torch.Tensor, layout: TokenLayout, relative_bias, window, columns, disentangled
+                       ) -> torch.Tensor:
+    """``_cpu_rows`` as a replay calls it (``run.step``)."""
+    out = attention_cpu_replayed(heads, _sequences(layout), relative_bias, window, columns, disentangled=disentangled,
+                                 spare_rows=layout.spare_rows)
+    return out.view(out.shape[0], out.shape[1] * out.shape[2])
+
+
+@run.step(replayed=_cpu_rows_replayed)
 def _cpu_rows(heads: torch.Tensor, layout: TokenLayout, relative_bias, window, columns, disentangled) -> torch.Tensor:
     """The C++ CPU attention on the layout's sequences: heads [T, 3, H, D] -> [T + spare rows, H D], the spare rows
     zero (what the O projection reads). One step of a CPU replay."""

@@ -78,6 +78,13 @@ def _attention_cpu_launch(qkv, seqlens, relative_bias, window, columns, isa="", 
         raise RuntimeError(reasons[0])
     if spare_rows < 0:
         raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
+    return _attention_cpu_kernel(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index, scale,
+                                 spare_rows)
+
+
+def _attention_cpu_kernel(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index, scale,
+                          spare_rows: int) -> torch.Tensor:
+    """The kernel on checked arguments: contiguous tensors, the bias and DeBERTa's tables in float32."""
     heads, head_dim = qkv.shape[2], qkv.shape[3]
     out = qkv.new_empty(qkv.shape[0] + spare_rows, heads, head_dim)
     if spare_rows:
@@ -112,7 +119,23 @@ def _(qkv, seqlens, relative_bias, window, columns, isa, pos_key=None, pos_query
     return qkv.new_empty(qkv.shape[0] + spare_rows, qkv.shape[2], qkv.shape[3])
 
 
-@run.step
+def attention_cpu_replayed(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None,
+                           window: int | None = None, columns: torch.Tensor | None = None, isa: str = "",
+                           disentangled: Disentangled | None = None, spare_rows: int = 0) -> torch.Tensor:
+    """``attention_cpu`` as a replay calls it (``run.step``): its tensors as the recorded call's, which passed the
+    checks (each still made contiguous and float32 as then), on a layout's sequences (``padding.TokenLayout``'s
+    lengths, which add up to its tokens); a replay runs eager code on plain tensors (``plan.plannable``), where
+    ``launch_or_op`` launches directly."""
+    d = disentangled
+    tables = (None, None, None) if d is None else (d.pos_key, d.pos_query, d.index)
+    tensors = [None if t is None else t.detach().contiguous() for t in (qkv, relative_bias, columns, *tables)]
+    qkv, relative_bias, columns, pos_key, pos_query, index = tensors
+    relative_bias, pos_key, pos_query = (None if t is None else t.float() for t in (relative_bias, pos_key, pos_query))
+    return _attention_cpu_kernel(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index,
+                                 None if d is None else d.scale, spare_rows)
+
+
+@run.step(replayed=attention_cpu_replayed)
 def attention_cpu(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None, window: int | None = None,
                   columns: torch.Tensor | None = None, isa: str = "",
                   disentangled: Disentangled | None = None, spare_rows: int = 0) -> torch.Tensor:

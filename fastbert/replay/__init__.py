@@ -149,7 +149,7 @@ def _capture(owner, x: torch.Tensor, layout, forward, current: run.Run, key: tup
     if exact is not None and capture.bound is not None:
         plan.replays[key], key = _SEQUENCES, exact
     program = Program(capture, output) if capture.failure is None else None
-    if program is not None and not program.current():  # (another thread rebuilt a derived weight meanwhile)
+    if program is not None and not program.reads_current():  # (another thread rebuilt a derived weight meanwhile)
         plan.replays[key] = CAPTURE_AT - 1
         return out
     if capture.failure is not None:
@@ -159,7 +159,7 @@ def _capture(owner, x: torch.Tensor, layout, forward, current: run.Run, key: tup
         return out
     plan.replays[key] = program
     _holding.add(plan)
-    if not program.current():  # (a derived weight replaced since the check: forget() may have run before the store)
+    if not program.reads_current():  # (a weight replaced since the check: forget() may have run before the store)
         plan.replays[key] = CAPTURE_AT - 1
         return out
     _count("captured")

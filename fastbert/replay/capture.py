@@ -82,7 +82,8 @@ class Capture:
         self.derived.append((owner, name, tuple(weakref.ref(p) for p in params), value))
         self.known.update(id(t) for t in tensors_of(value))
 
-    def call(self, fn, args: tuple, kwargs: dict):
+    def call(self, fn, args: tuple, kwargs: dict, replayed):
+        """``fn(*args, **kwargs)``, recorded as a step that replays call as ``replayed`` (``run.step``)."""
         self.inside += 1
         try:
             refs = tuple(self.ref(a) for a in args)
@@ -90,7 +91,7 @@ class Capture:
             result = fn(*args, **kwargs)
             many = isinstance(result, tuple)
             outputs = tuple(self.add(out) for out in (result if many else (result,)))
-            self.steps.append((fn, refs, kwrefs, outputs, many))
+            self.steps.append((replayed, refs, kwrefs, outputs, many))
         finally:
             self.inside -= 1
         return result

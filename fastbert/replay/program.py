@@ -3,8 +3,9 @@ many rows: ``capture.Capture.bound``).
 
 The outputs are the op-by-op forward's, bit for bit: the same native calls on the same values. A replay holds no
 more activations at once than the forward: each step's outputs are let go after the last step that reads them.
-Before each replay, ``current()`` checks that every derived weight the capture used is still the current one and
-that the module attributes the glue read hold what they did.
+Before each replay, ``current()`` checks that every derived weight the capture used still holds what it was built
+from and that the module attributes the glue read hold what they did. Steps run as ``run.step``'s ``replayed``
+form: their checks of what a program fixes were made when it was recorded.
 """
 
 import torch
@@ -16,7 +17,7 @@ from .capture import CONST, LAYOUT, PARAM, SLOT, Capture
 class Program:
     """A captured encoder forward: its steps, where its output is, and the derived weights it read."""
 
-    __slots__ = ("steps", "output", "derived", "derived_state", "size", "params", "attributes")
+    __slots__ = ("steps", "output", "derived", "derived_params", "derived_state", "size", "params", "attributes")
 
     def __init__(self, capture: Capture, output: tuple):
         # each step with the slots to let go after it (the last step that reads them), so a replay holds no more
@@ -29,6 +30,7 @@ class Program:
                            for (fn, refs, kwrefs, outputs, many), r in zip(capture.steps, released))
         self.output, self.size, self.params = output, len(capture.geometry), tuple(capture.params)
         self.derived, self.attributes = tuple(capture.derived), capture.attributes
+        self.derived_params = tuple(ref for _, _, refs, _ in self.derived for ref in refs)  # (joint_state's order)
         # (taken before each value is checked to be current: a write in between fails the check or moves the state)
         used = self._derived_now()
         self.derived_state = None if used is None else derived.joint_state(used)
@@ -46,13 +48,24 @@ class Program:
         return used
 
     def current(self) -> bool:
-        """Whether every derived weight it read is still the one ``derived.cached`` would give now, and the
-        attributes the glue read still hold what they did."""
+        """Whether the derived weights it read still hold what they were built from, and the attributes the glue
+        read still hold what they did: checked before each replay. (A derived weight rebuilt or dropped anywhere drops
+        every program, ``replay.forget``: what is left to compare is its parameters' state, in one native call.)"""
         if self.derived_state is None or any(module.__dict__.get(name) != value
                                              for module, name, value in self.attributes):
             return False
+        params = tuple([ref() for ref in self.derived_params])
+        for p in params:
+            if p is None:
+                return False
+        return derived.state(params) == self.derived_state
+
+    def reads_current(self) -> bool:
+        """``current``, and every derived weight it read is still the very one ``derived.cached`` would give now:
+        checked where a program is stored (another thread may rebuild a weight, and run ``replay.forget``, while it
+        is captured)."""
         used = self._derived_now()
-        return used is not None and derived.joint_state(used) == self.derived_state
+        return self.current() and used is not None and derived.joint_state(used) == self.derived_state
 
     def run(self, x: torch.Tensor, layout) -> torch.Tensor | None:
         """The encoder's output for input x laid out as ``layout`` (``padding.TokenLayout``: what the steps that take
