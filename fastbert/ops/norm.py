@@ -91,7 +91,16 @@ def _torch_residual(call: Call, x: torch.Tensor, residual: torch.Tensor) -> torc
 # --- fastbert._C's LayerNorm (csrc/layer_norm_cpu.h): float32 on the CPU, writing the next int8 GEMM's u8 too --------
 
 
-@run.step
+def _layer_norm_cpu_replayed(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                            quantize: int8_handoff.Target | None = None, isa: str = "",
+                            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``layer_norm_cpu`` as a replay calls it (``run.step``): x, out and the settings as the recorded call's, which
+    passed its checks; the weight and bias, parameters read anew, checked."""
+    _check_affine(x.shape[1], weight, bias, None)
+    return _layer_norm_cpu_launch(x.contiguous(), weight, bias, eps, quantize, isa, out)
+
+
+@run.step(replayed=_layer_norm_cpu_replayed)
 def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                    quantize: int8_handoff.Target | None = None,
                    isa: str = "", out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -100,19 +109,29 @@ def layer_norm_cpu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     "avx2" runs the AVX2 rows where AVX-512 runs too (tests), "" the fastest. ``out``: where the first output is
     written (returned as it): x itself (each row is read whole before it is written) or memory apart from x; None:
     new."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+    if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2):
         raise ValueError(f"x must be a float32 CPU tensor [rows, cols], got {tuple(x.shape)} {x.dtype} on {x.device}")
-    if out is not None and (out.device.type != "cpu" or out.dtype != torch.float32 or out.shape != x.shape
-                            or not out.is_contiguous()):
+    if out is not None and not (out.is_cpu and out.dtype is torch.float32 and out.shape == x.shape
+                                and out.is_contiguous()):
         raise ValueError(f"out must be a contiguous float32 CPU tensor {tuple(x.shape)}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
-    x = x.contiguous()
-    for name, t in (("weight", weight), ("bias", bias)) + (("smooth", quantize and quantize.smooth),):
-        if t is not None and (t.dtype != torch.float32 or t.shape != (x.shape[1],) or t.device.type != "cpu"):
-            raise ValueError(f"{name} must be float32 [{x.shape[1]}] on the CPU, got {tuple(t.shape)} {t.dtype}")
+    _check_affine(x.shape[1], weight, bias, None if quantize is None else quantize.smooth)
+    return _layer_norm_cpu_launch(x.contiguous(), weight, bias, eps, quantize, isa, out)
+
+
+def _check_affine(cols: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                  smooth: torch.Tensor | None) -> None:
+    for name, t in (("weight", weight), ("bias", bias), ("smooth", smooth)):
+        if t is not None and not (t.is_cpu and t.dtype is torch.float32 and t.shape == (cols,)):
+            raise ValueError(f"{name} must be float32 [{cols}] on the CPU, got {tuple(t.shape)} {t.dtype}")
+
+
+def _layer_norm_cpu_launch(x, weight, bias, eps, quantize, isa, out) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel on checked arguments (x contiguous)."""
     y = torch.empty_like(x) if out is None else out
     q = None if quantize is None else torch.empty(x.shape, dtype=torch.uint8)
-    weight, bias = (None if t is None else t.detach().contiguous() for t in (weight, bias))
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     smooth = None if quantize is None or quantize.smooth is None else quantize.smooth.contiguous()
     _extension._C.layer_norm_cpu(
         x.data_ptr(), y.data_ptr(), 0 if weight is None else weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
