@@ -234,9 +234,10 @@ def test_gradients_take_the_differentiable_path(kernel_calls):
 
 
 def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurements_kept):
-    """The kernel replaces SDPA where it measured faster at every size, per dtype and head dim (the figures kept per
-    machine, in info()); where it measured slower, SDPA runs without a warning: a measured choice between exact
-    paths, not a fallback, which info() lists among the reasons of some calls."""
+    """The kernel replaces SDPA where it measured as fast at every size (within ``cpu.ATTENTION_NOISE``: 99 against
+    100 GFLOP/s is a tie, 90 is slower), per dtype and head dim (the figures kept per machine, in info()); where it
+    measured slower, SDPA runs without a warning: a measured choice between exact paths, not a fallback, which
+    info() lists among the reasons of some calls."""
     monkeypatch.setattr(cpu, "_figures", {})
     monkeypatch.setattr(dispatch, "_seen", {})
     monkeypatch.setattr(attention, "_measured_choices", {})
@@ -253,8 +254,8 @@ def test_the_choice_is_measured_once_per_machine(monkeypatch, tmp_path, measurem
     store = json.loads((tmp_path / "cpu_gemm.json").read_text())
     store[cpu._key(cpu.attention_measurement(torch.float32, 8))] = {
         "torch": {"32": 100.0, "128": 100.0, "512": 100.0}, "cpu-ext": {"32": 150.0, "128": 120.0, "512": 90.0}}
-    store[cpu._key(cpu.attention_measurement(torch.float32, 16))] = {
-        "torch": {"32": 100.0, "128": 100.0, "512": 100.0}, "cpu-ext": {"32": 150.0, "128": 120.0, "512": 110.0}}
+    store[cpu._key(cpu.attention_measurement(torch.float32, 16))] = {  # (slower at 512 within the noise)
+        "torch": {"32": 100.0, "128": 100.0, "512": 100.0}, "cpu-ext": {"32": 150.0, "128": 120.0, "512": 99.0}}
     (tmp_path / "cpu_gemm.json").write_text(json.dumps(store))
     monkeypatch.setattr(cpu, "_figures", {})
     with warnings.catch_warnings():

@@ -10,8 +10,8 @@ Reference: ``kernels/attention.py``'s ``attention_ref`` and ``kernels/attention_
            window or position terms. It writes the O projection's u8 too, once that GEMM taught its static scale
            (``handoff``)
   cpu-ext  fastbert._C's C++ kernel (``attention_cpu.py``): float32 or bfloat16 (float32 inside) inference on the CPU
-           over packed tokens or a batch without padding, where it measured faster than SDPA on this CPU in that
-           dtype and head dim (``cpu.attention_figures``)
+           over packed tokens or a batch without padding, where it measured as fast as SDPA on this CPU in that
+           dtype and head dim (``cpu.attention_figures``, ``cpu.ATTENTION_NOISE``)
   triton   the flash-attention kernel (``kernels/attention.py``): padded with a key mask and key bounds, or varlen
            over packed tokens (``kernels/attention_varlen.py``); head dims up to ``MAX_HEAD_DIM``; windows and
            MPNet's relative bias inside the kernel
@@ -322,7 +322,8 @@ BACKENDS = dispatch.register("attention", [
     # SDPA)
     Backend("cpu-ext", run=_cpu_run, unavailable=lambda device, dtype: attention_cpu_unavailable_reasons(),
             why_not=_cpu_why_not, devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), declines=_padded_rows,
-            steps=True, per_call="where it measured faster than SDPA at the model's dtype and head dim, else torch"),
+            steps=True,
+            per_call="where it measured as fast as SDPA (within 5 %) at the model's dtype and head dim, else torch"),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     # (steps where ``_sdpa_rows`` runs it; elsewhere its torch ops fail a replay's capture)
     Backend("torch", run=_torch_run, steps=True),
