@@ -122,8 +122,8 @@ def step(fn=None, *, replayed=None):
     recorder records the call with its arguments; otherwise it is a plain call. ``replayed``: ``fn`` without the
     checks that a replay's arguments pass by construction (``replay/program.py``: each tensor a step made has the
     device, dtype and strides that the recorded call's had, and its shape but for a number of token rows that the
-    replay's layout gives; every other value but the layout is the recorded one), which a replay calls instead; the
-    checks of what can change between replays (a parameter read anew, the layout's sequences) stay in it.
+    replay's layout gives; every other value but the layout, which fastbert made, is the recorded one), which a replay
+    calls instead; the checks of what can change between replays (a parameter, read anew) stay in it.
     ``@step`` or ``@step(replayed=...)``."""
     if fn is None:
         return functools.partial(step, replayed=replayed)

@@ -268,6 +268,28 @@ def test_every_family(int8_attention, family):
     assert counts() == ((captured + 1, replayed + 2) if family in REPLAYED_FAMILIES else (captured, replayed))
 
 
+@pytest.mark.parametrize("family", FAMILY_IDS)
+def test_every_family_in_float32(fastbert_env, family):
+    """Float32, as most CPUs run it (steps in their replayed form: the GEMMs, the C++ or per-sequence SDPA
+    attention, LayerNorms): BERT's family and DistilBERT replay, and every forward gives the op-by-op output, bit for
+    bit, packed (padded batch) and dense."""
+    config = FAMILIES[family].config
+    torch.manual_seed(0)
+    hf = getattr(transformers, type(config).__name__.removesuffix("Config") + "Model")(config).eval()
+    model = fastbert.optimize(hf)
+    input_ids, mask = inputs(config, 3, 12)
+    for kwargs in ({"attention_mask": mask}, {}):
+        captured, replayed = counts()
+        with torch.inference_mode():
+            outputs = [model(input_ids, **kwargs).last_hidden_state for _ in range(4)]
+        assert counts() == ((captured + 1, replayed + 2) if family in REPLAYED_FAMILIES else (captured, replayed))
+        assert all(torch.equal(out, outputs[0]) for out in outputs)
+        fastbert_env(FASTBERT_CPU_REPLAY="off")
+        with torch.inference_mode():
+            assert torch.equal(model(input_ids, **kwargs).last_hidden_state, outputs[0])
+        fastbert_env(FASTBERT_CPU_REPLAY="auto")
+
+
 def test_a_copy_between_steps_drops_the_capture(model, quantized, fastbert_env, monkeypatch):
     """An allowed torch call that copies (an index that gathers) makes a tensor no step made: not replayable."""
     from fastbert import layers

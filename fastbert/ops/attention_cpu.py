@@ -122,17 +122,14 @@ def _(qkv, seqlens, relative_bias, window, columns, isa, pos_key=None, pos_query
 def attention_cpu_replayed(qkv: torch.Tensor, seqlens, relative_bias: torch.Tensor | None = None,
                            window: int | None = None, columns: torch.Tensor | None = None, isa: str = "",
                            disentangled: Disentangled | None = None, spare_rows: int = 0) -> torch.Tensor:
-    """``attention_cpu`` as a replay calls it (``run.step``): its tensors as the recorded call's, which passed the
-    checks (each still made contiguous and float32 as then), on a layout's sequences (``padding.TokenLayout``'s
-    lengths, which add up to its tokens); a replay runs eager code on plain tensors (``plan.plannable``), where
-    ``launch_or_op`` launches directly."""
-    d = disentangled
-    tables = (None, None, None) if d is None else (d.pos_key, d.pos_query, d.index)
-    tensors = [None if t is None else t.detach().contiguous() for t in (qkv, relative_bias, columns, *tables)]
-    qkv, relative_bias, columns, pos_key, pos_query, index = tensors
-    relative_bias, pos_key, pos_query = (None if t is None else t.float() for t in (relative_bias, pos_key, pos_query))
-    return _attention_cpu_kernel(qkv, seqlens, relative_bias, window, columns, isa, pos_key, pos_query, index,
-                                 None if d is None else d.scale, spare_rows)
+    """``attention_cpu`` as a replay calls it (``run.step``): qkv as the recorded call's, which passed the checks, on
+    a layout's sequences (``padding.TokenLayout``'s lengths, which add up to its tokens); a replay runs eager code on
+    plain tensors (``plan.plannable``), where ``launch_or_op`` launches directly. A relative bias, columns or
+    DeBERTa's tables are checked as in every call (they may be read from parameters)."""
+    if relative_bias is not None or columns is not None or disentangled is not None:
+        return attention_cpu(qkv, seqlens, relative_bias, window, columns, isa, disentangled, spare_rows)
+    return _attention_cpu_kernel(qkv.contiguous(), seqlens, None, window, None, isa, None, None, None, None,
+                                 spare_rows)
 
 
 @run.step(replayed=attention_cpu_replayed)
