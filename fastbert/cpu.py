@@ -323,10 +323,11 @@ def _measure_int8(bits: int, libraries: tuple[str, ...]) -> dict[str, dict[int, 
 
 # Sequences both CPU attentions are timed on (12 heads of the model's head dim): 16 short sentences of 32 tokens (a
 # server's or the Embedder's batches), 8 x 128 tokens and one of 512. The kernel replaces torch's SDPA only where it
-# is as fast at all three, for that dtype and head dim, within ATTENTION_NOISE. With heads of 64 (measured at 8 x 128 and 512 then): on Zen 4
-# it is faster at every length; its AVX2 build, timed there against SDPA's AVX-512 one, at 128 tokens, not at 512; on
-# an Intel Xeon (Sapphire Rapids class) SDPA was faster at both. On an AVX2-only Zen 3 it is 1.2-2.0x SDPA with heads
-# of 32 (MiniLM's) at every length, and with heads of 64 1.5x at 16 x 40 tokens but 0.97x at 8 x 128 and 0.83x at 512.
+# is as fast at all three (within ATTENTION_NOISE), for that dtype and head dim. With heads of 64 (measured at 8 x 128
+# and 512 then): on Zen 4 it is faster at every length; its AVX2 build, timed there against SDPA's AVX-512 one, at 128
+# tokens, not at 512; on an Intel Xeon (Sapphire Rapids class) SDPA was faster at both. On an AVX2-only Zen 3 it is
+# 1.2-2.0x SDPA with heads of 32 (MiniLM's) at every length, and with heads of 64 1.5x at 16 x 40 tokens but 0.97x at
+# 8 x 128 and 0.83x at 512.
 ATTENTION_SEQUENCES = {32: [32] * 16, 128: [128] * 8, 512: [512]}
 # How much slower than SDPA the kernel may measure at one size and still be chosen: what separates two measurements
 # of the same code on one machine. (A Zen 3 measured 81.8 against SDPA's 82.0 GFLOP/s at 512 tokens with heads of 32,
