@@ -465,7 +465,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("model"));
 
   m.def("module_tree_matches", &fastbert::module_tree_matches,
-        "module_tree(model) == key, building no tuple where the tree holds the key's very modules without hooks.",
+        "module_tree(model) == key for a key module_tree returned, building no tuple where the tree holds the key's "
+        "very modules without hooks.",
         py::arg("model"), py::arg("key"));
 
   m.def("parameter_state", &fastbert::parameter_state,

@@ -109,7 +109,8 @@ bool same_parameters(PyObject* parameters, PyObject* entries) {
       if (p != entry) return false;
       continue;
     }
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0)) != p
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 0))
+        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0)) != p
         || !same(reinterpret_cast<PyObject*>(Py_TYPE(p)), PyTuple_GET_ITEM(entry, 1))) {
       if (PyErr_Occurred()) throw py::error_already_set();
       return false;
@@ -160,7 +161,8 @@ bool matches(py::handle model, py::handle key) {
     }
     if (!same(reinterpret_cast<PyObject*>(Py_TYPE(module)), PyTuple_GET_ITEM(entry, 1))
         || !same(training.ptr(), PyTuple_GET_ITEM(entry, 2)) || !same(p.ptr(), PyTuple_GET_ITEM(entry, 3))
-        || PyTuple_GET_ITEM(entry, 4) != (overridden ? Py_True : Py_False) || PyTuple_GET_ITEM(entry, 6) != Py_None) {
+        || !same(PyTuple_GET_ITEM(entry, 4), overridden ? Py_True : Py_False)
+        || PyTuple_GET_ITEM(entry, 6) != Py_None) {
       return false;
     }
     const bool has_parameters = truthy(parameters.ptr());

@@ -122,8 +122,9 @@ def step(fn=None, *, replayed=None):
     recorder records the call with its arguments; otherwise it is a plain call. ``replayed``: ``fn`` without the
     checks that a replay's arguments pass by construction (``replay/program.py``: each tensor a step made has the
     device, dtype and strides that the recorded call's had, and its shape but for a number of token rows that the
-    replay's layout gives; every other value but the layout, which fastbert made, is the recorded one), which a replay
-    calls instead; the checks of what can change between replays (a parameter, read anew) stay in it.
+    replay's layout gives; constants are the recorded ones), which a replay calls instead. What can change between
+    replays keeps its checks there: a parameter, read anew; the encoder's input, whose strides the program's key
+    does not fix (made contiguous, or its strides read, as in ``fn``). The layout is fastbert's own.
     ``@step`` or ``@step(replayed=...)``."""
     if fn is None:
         return functools.partial(step, replayed=replayed)

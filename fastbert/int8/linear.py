@@ -331,49 +331,45 @@ def _linear_u8(q: torch.Tensor, scale: float, zero_point: int, weight: Quantized
                  out_zero_point, out_dtype, attr, [], algorithm)
 
 
-def _per_call_with(linear_quantizing):
+def _quantized_per_call(linear_quantizing, x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor | None,
+                        activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
     """``_per_call`` whose native GEMM runs ``linear_quantizing`` (checked, or as a replay calls it)."""
-
-    def per_call(x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor | None,
-                 activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
-        """x quantized with the range of its ``rows``, then ``_linear_u8`` (one step of a CPU replay: the scale is
-        the data's; given the layout, the step reads the token count of the layout each replay passes)."""
-        rows = rows if isinstance(rows, (int, torch.Tensor)) else rows.tokens
-        # (a native weight is built only where fastbert._C's quantizer runs too: the same CPU and build checks)
-        if type(weight.packed) is native_gemm.PackedWeight and (
-                output is None or native_gemm.epilogue_quantizes(activation)):
-            return linear_quantizing(x, rows, weight.smooth, weight.packed, bias, activation, residual, output)
-        q, scale, zero_point = quantize_activation(x, rows, weight.smooth)
-        return _linear_u8(q, scale, zero_point, weight, bias, activation, residual, output)
-
-    return per_call
+    rows = rows if isinstance(rows, (int, torch.Tensor)) else rows.tokens
+    # (a native weight is built only where fastbert._C's quantizer runs too: the same CPU and build checks)
+    if type(weight.packed) is native_gemm.PackedWeight and (
+            output is None or native_gemm.epilogue_quantizes(activation)):
+        return linear_quantizing(x, rows, weight.smooth, weight.packed, bias, activation, residual, output)
+    q, scale, zero_point = quantize_activation(x, rows, weight.smooth)
+    return _linear_u8(q, scale, zero_point, weight, bias, activation, residual, output)
 
 
-_per_call = run.step(_per_call_with(native_gemm.linear_quantizing),
-                     replayed=_per_call_with(native_gemm.linear_quantizing_replayed))
+@run.step(replayed=functools.partial(_quantized_per_call, native_gemm.linear_quantizing_replayed))
+def _per_call(x: torch.Tensor, rows, weight: QuantizedWeight, bias: torch.Tensor | None,
+              activation: str | None, residual: torch.Tensor | None, output: tuple[float, int] | None):
+    """x quantized with the range of its ``rows``, then ``_linear_u8`` (one step of a CPU replay: the scale is the
+    data's; given the layout, the step reads the token count of the layout each replay passes)."""
+    return _quantized_per_call(native_gemm.linear_quantizing, x, rows, weight, bias, activation, residual, output)
 
 
-def _per_token_with(linear_quantizing):
+def _quantized_per_token(linear_quantizing, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                         activation: str | None, residual: torch.Tensor | None) -> torch.Tensor:
     """``_per_token`` whose native GEMM runs ``linear_quantizing`` (checked, or as a replay calls it)."""
-
-    def per_token(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation: str | None,
-                  residual: torch.Tensor | None) -> torch.Tensor:
-        """x quantized with one scale per token, the GEMM, then its bias, residual and activation (one step;
-        fastbert's int8 GEMM scales each row and runs the rest in its epilogue)."""
-        if type(weight.packed) is native_gemm.PackedWeight:
-            return linear_quantizing(x, x.shape[0], weight.smooth, weight.packed, bias, activation, residual,
-                                     per_token=True)
-        q, scales = quantize_activation_per_token(x, weight.smooth)
-        y = _linear_u8(q, 1.0, 128, weight, None, None, None, None).mul_(scales)
-        y = y if bias is None else y.add_(bias)
-        y = y if residual is None else y.add_(residual)
-        return y if activation is None else activation_ref(y, activation)
-
-    return per_token
+    if type(weight.packed) is native_gemm.PackedWeight:
+        return linear_quantizing(x, x.shape[0], weight.smooth, weight.packed, bias, activation, residual,
+                                 per_token=True)
+    q, scales = quantize_activation_per_token(x, weight.smooth)
+    y = _linear_u8(q, 1.0, 128, weight, None, None, None, None).mul_(scales)
+    y = y if bias is None else y.add_(bias)
+    y = y if residual is None else y.add_(residual)
+    return y if activation is None else activation_ref(y, activation)
 
 
-_per_token = run.step(_per_token_with(native_gemm.linear_quantizing),
-                      replayed=_per_token_with(native_gemm.linear_quantizing_replayed))
+@run.step(replayed=functools.partial(_quantized_per_token, native_gemm.linear_quantizing_replayed))
+def _per_token(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, activation: str | None,
+               residual: torch.Tensor | None) -> torch.Tensor:
+    """x quantized with one scale per token, the GEMM, then its bias, residual and activation (one step; fastbert's
+    int8 GEMM scales each row and runs the rest in its epilogue)."""
+    return _quantized_per_token(native_gemm.linear_quantizing, x, weight, bias, activation, residual)
 
 
 @run.step

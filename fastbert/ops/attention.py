@@ -323,7 +323,8 @@ BACKENDS = dispatch.register("attention", [
     Backend("cpu-ext", run=_cpu_run, unavailable=lambda device, dtype: attention_cpu_unavailable_reasons(),
             why_not=_cpu_why_not, devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), declines=_padded_rows,
             steps=True,
-            per_call="where it measured as fast as SDPA (within 5 %) at the model's dtype and head dim, else torch"),
+            per_call=f"where it measured as fast as SDPA (within {cpu.ATTENTION_NOISE:.0%}) at the model's dtype and "
+                     "head dim, else torch"),
     Backend("triton", run=_triton_run, unavailable=dispatch.triton_unavailable, why_not=_triton_why_not),
     # (steps where ``_sdpa_rows`` runs it; elsewhere its torch ops fail a replay's capture)
     Backend("torch", run=_torch_run, steps=True),
