@@ -159,9 +159,9 @@ def test_float_models_replay_bit_for_bit(quantized, fastbert_env, dtype):
 @pytest.mark.parametrize("gemm", ["native", "int8"])
 def test_a_parameter_resized_between_replays_is_refused_by_name(request, quantized, fastbert_env, gemm):
     """A replay's steps skip the checks that its recorded call made of what a program fixes (``run.step``'s
-    ``replayed``), but a parameter is read anew: a bias whose data was swapped for one of another size (the plan
-    still holds: the same parameter object) raises ValueError naming it, as the forward op by op does, before any
-    kernel reads past its end."""
+    ``replayed``), but a parameter is read anew: a GEMM's bias (float32) or a LayerNorm's weight (int8: fastbert's
+    LayerNorm) whose data was swapped for one of another size (the plan still holds: the same parameter object)
+    raises ValueError naming it, from the replayed step as op by op, before any kernel reads past its end."""
     if gemm == "int8":
         request.getfixturevalue("int8_on")
     else:
