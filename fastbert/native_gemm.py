@@ -101,8 +101,7 @@ def _replayed(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, 
               residual: torch.Tensor | None = None) -> torch.Tensor:
     """``linear`` as a replay calls it (``run.step``): x and residual as the recorded call's; the bias, a parameter
     read anew, checked."""
-    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (packed.out,)):
-        check_epilogue(x.shape[0], packed.out, bias, None)
+    check_epilogue(x.shape[0], packed.out, bias, None)
     return _launch(x, packed, None if bias is None else bias.contiguous(), activation,
                    None if residual is None else residual.contiguous())
 

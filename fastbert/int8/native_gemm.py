@@ -125,8 +125,7 @@ def linear_quantizing_replayed(x: torch.Tensor, rows: int | torch.Tensor, smooth
     """``linear_quantizing`` in a step as a replay calls it (``run.step``): x, smooth, residual and the settings as
     the recorded call's, which passed its checks; ``rows`` a count of leading rows that the replay's layout gives (its
     tokens: at most x's rows) or indexes, checked; the bias, a parameter read anew, checked."""
-    if bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.shape == (packed.out,)):
-        float32_gemm.check_epilogue(x.shape[0], packed.out, bias, None)
+    float32_gemm.check_epilogue(x.shape[0], packed.out, bias, None)
     index = range_rows(x, rows) if isinstance(rows, torch.Tensor) else None  # (indexes: this call's own)
     return _quantizing(x, index, rows, smooth, packed, bias, activation, residual, output, per_token)
 
