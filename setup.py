@@ -166,7 +166,7 @@ setup(
             ["csrc/bindings.cpp", "csrc/attention_cpu.cpp", "csrc/attention_int8_cpu.cpp",
              "csrc/embedding_layer_norm_cpu.cpp", "csrc/fingerprint.cpp", "csrc/gemm_cpu.cpp",
              "csrc/gemm_int8_cpu.cpp", "csrc/layer_norm_cpu.cpp", "csrc/module_tree.cpp", "csrc/parameter_state.cpp",
-             "csrc/quantize_cpu.cpp"],
+             "csrc/quantize_cpu.cpp", "csrc/token_indices.cpp"],
             include_dirs=["csrc"],
             cxx_std=17,
             extra_compile_args=["-O3"],

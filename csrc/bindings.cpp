@@ -25,6 +25,7 @@
 #include "module_tree.h"
 #include "parameter_state.h"
 #include "quantize_cpu.h"
+#include "token_indices.h"
 
 namespace py = pybind11;
 
@@ -293,6 +294,59 @@ void layer_norm_cpu(std::uintptr_t x, std::uintptr_t y, std::uintptr_t weight, s
                            num_threads, avx2);
 }
 
+fastbert::IntInput int_input(std::uintptr_t data, int code, const char* name) {
+  if (code < 0 || code > 2) {
+    throw std::invalid_argument(std::string(name) + ": dtype code must be 0 (int64), 1 (int32) or 2 (one byte)");
+  }
+  return {reinterpret_cast<const void*>(data), code};
+}
+
+py::tuple count_real_tokens(std::uintptr_t mask, int mask_code, int64_t batch, int64_t seq_len,
+                            std::uintptr_t seqlens) {
+  if (batch < 0 || seq_len < 0 || seq_len > INT32_MAX) throw std::invalid_argument("batch and seq_len must be >= 0");
+  if (batch * seq_len > 0 && (!mask || !seqlens)) throw std::invalid_argument("null data pointer");
+  const auto counted = fastbert::count_real_tokens(int_input(mask, mask_code, "mask"), batch, seq_len,
+                                                   reinterpret_cast<int32_t*>(seqlens));
+  return py::make_tuple(counted.first, counted.second);
+}
+
+std::vector<int64_t> token_indices(std::uintptr_t ids, int ids_code, std::uintptr_t types, int types_code,
+                                   std::uintptr_t positions, int positions_code, int64_t positions_rows,
+                                   std::uintptr_t mask, int mask_code, const std::vector<int64_t>& seqlens,
+                                   int64_t batch,
+                                   int64_t seq_len, int numbering, int64_t base, int64_t tokens, std::uintptr_t out,
+                                   int64_t rows, std::uintptr_t layout_indices, std::uintptr_t cu_seqlens) {
+  if (batch < 0 || seq_len < 0 || tokens < 0 || tokens > INT32_MAX || rows < tokens) {
+    throw std::invalid_argument("batch, seq_len and tokens must be >= 0 (tokens < 2^31) and rows >= tokens");
+  }
+  if (numbering < 0 || numbering > 1) throw std::invalid_argument("numbering must be 0 (column) or 1 (rank)");
+  if (rows > 0 && !out) throw std::invalid_argument("null data pointer");
+  const int64_t* lengths = seqlens.empty() ? nullptr : seqlens.data();
+  if (lengths) {
+    if (static_cast<int64_t>(seqlens.size()) != batch) throw std::invalid_argument("seqlens must have batch entries");
+    if (mask || positions) throw std::invalid_argument("back-to-back sequences take no mask and no positions");
+    int64_t total = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      if (lengths[b] < 0 || lengths[b] > seq_len) throw std::invalid_argument("seqlens must lie in [0, seq_len]");
+      total += lengths[b];
+    }
+    if (total != tokens) throw std::invalid_argument("seqlens must add up to tokens");
+  } else if (!mask && tokens != batch * seq_len) {
+    throw std::invalid_argument("without a mask every one of the batch * seq_len tokens is real");
+  }
+  if (positions && positions_rows != 1 && positions_rows != batch) {
+    throw std::invalid_argument("positions must have 1 or batch rows");
+  }
+  const int64_t read = lengths ? tokens : batch * seq_len;
+  if (read > 0 && !ids) throw std::invalid_argument("null data pointer");
+  fastbert::TokenIndicesArgs args{int_input(ids, ids_code, "ids"), int_input(types, types_code, "types"),
+                                  int_input(positions, positions_code, "positions"),
+                                  int_input(mask, mask_code, "mask"), lengths, batch, seq_len, positions_rows,
+                                  numbering, base, tokens, reinterpret_cast<int64_t*>(out), rows,
+                                  reinterpret_cast<int64_t*>(layout_indices), reinterpret_cast<int32_t*>(cu_seqlens)};
+  return fastbert::token_indices(args);
+}
+
 // "" when the CUDA kernel can run on the current device, else why not.
 std::string cuda_probe() {
 #if defined(FASTBERT_WITH_CUDA)
@@ -473,6 +527,24 @@ PYBIND11_MODULE(_C, m) {
         "(versions, layout, fingerprint) of the tensors in params (fastbert/derived.py's state_ref, less its epoch), "
         "or None where a CPU tensor is not contiguous.",
         py::arg("params"));
+
+  m.def("count_real_tokens", &count_real_tokens,
+        "mask [batch, seq_len] (dtype code 0 int64, 1 int32, 2 one byte) -> (real tokens, whether every row's column 0 "
+        "is real); seqlens [batch] int32 written with each row's count.",
+        py::arg("mask"), py::arg("mask_code"), py::arg("batch"), py::arg("seq_len"), py::arg("seqlens"));
+
+  m.def("token_indices", &token_indices,
+        "A batch's [3, rows] int64 embedding indices (word, token type, position of each real token, then zeros), "
+        "each real token's place b * seq_len + column (layout_indices [tokens], or 0) and cu_seqlens [batch + 1] "
+        "int32 (or 0), from ids and types [batch, seq_len] with positions [positions_rows, seq_len] and a mask (each "
+        "0 where not given), or, with seqlens (batch lengths; [] for none), from ids and types [tokens] back to "
+        "back; positions "
+        "not given are numbered by column (numbering 0) or as base + rank among ids other than base (1). Returns "
+        "the min and max of ids, types and positions over every entry read (token_indices.h).",
+        py::arg("ids"), py::arg("ids_code"), py::arg("types"), py::arg("types_code"), py::arg("positions"),
+        py::arg("positions_code"), py::arg("positions_rows"), py::arg("mask"), py::arg("mask_code"),
+        py::arg("seqlens"), py::arg("batch"), py::arg("seq_len"), py::arg("numbering"), py::arg("base"),
+        py::arg("tokens"), py::arg("out"), py::arg("rows"), py::arg("layout_indices"), py::arg("cu_seqlens"));
 
   m.def("cuda_probe", &cuda_probe,
         "'' when the CUDA kernel can run on the current device, else why not (no kernel image for this GPU, "

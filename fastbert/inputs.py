@@ -8,19 +8,26 @@
                spare rows where oneDNN runs the GEMMs (``padding.bucket_rows``)
     device     host inputs queued to a GPU model without waiting for it
 
+Integer inputs on the host (as tokenizers return them) take one native pass instead, ``token_indices``: positions,
+check, pack and spare rows in one call (the steps above are its reference, and what runs for device inputs, without
+``_C``, and while torch.compile traces or a graph exports).
+
 -> (indices [3, N] int64: each row's word, token type and position; the layout: where the rows sit in [B, S]).
 ``prepare_packed`` does the same for sequences that come back to back without padding (``forward_packed``).
 """
 
 import torch
 
-from . import announce, dispatch, padding, validation
+from . import announce, dispatch, padding, token_indices, validation
 from .int8 import choices as int8
 from . import plan as plans
 from .ops import gemm
 
 # The inputs the fused forward reads, by transformers' argument names.
 NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+# What a range error calls the positions ``prepare_packed`` numbers.
+_PACKED_POSITIONS = "positions (numbered within each sequence)"
 
 
 def prepare(model, inputs: dict, graph_safe: bool = False, unpad: bool | None = None, first_token_read: bool = True,
@@ -33,20 +40,31 @@ def prepare(model, inputs: dict, graph_safe: bool = False, unpad: bool | None = 
     The integer inputs may be on the model's device or, all of them, on the CPU (as tokenizers return them): the
     checks, lengths and layout are then computed on the host and queued to the device without waiting for it."""
     mask = inputs["attention_mask"]
-    ids, positions_name = _token_ids(model, inputs)  # checked; [B, S] each
-    batch, seq_len = ids[0].shape
-    packs = not graph_safe and _packs(batch, seq_len, mask, model.unpad if unpad is None else unpad)
-    read_back = _read_back(model, mask) if packs else None
-    indices, host = validation.flat_indices(*ids, limits(model), positions_name, read_back, graph_safe)  # [3, B*S]
-    if packs:
-        layout = padding.unpadded_layout(mask, read_back[:batch], host[:batch])
-        if first_token_read:
-            _note_first_token(model, layout, host[batch:])
+    batch, seq_len, token_type_ids = _checked(model, inputs)
+    static = graph_safe or _traced()  # (a graph of static shapes: nothing sized from the data)
+    packs = not static and _packs(batch, seq_len, mask, model.unpad if unpad is None else unpad)
+    if not static and (packs or mask is None) and _native(inputs["input_ids"], mask, token_type_ids,
+                                                          inputs["position_ids"]):
+        indices, layout, spans, first_is_real = token_indices.padded(
+            model, inputs["input_ids"], mask, token_type_ids, inputs["position_ids"], lambda n: _rows(model, n))
+        if validation.input_checks_enabled():
+            validation.check_spans(spans, limits(model), "position_ids" if inputs["position_ids"] is not None
+                                   else model.positions_name())
     else:
-        layout = padding.dense_layout(batch, seq_len, mask)
-    if layout.packed:
-        indices = indices.index_select(1, layout.indices)  # [3, N]
-    return _to_device(model, *_bucketed(model, indices, layout))
+        ids, positions_name = _token_ids(model, inputs, token_type_ids, batch, seq_len)  # [B, S] each
+        read_back = _read_back(model, mask) if packs else None
+        indices, host = validation.flat_indices(*ids, limits(model), positions_name, read_back, graph_safe)
+        if packs:
+            layout = padding.unpadded_layout(mask, read_back[:batch], host[:batch])
+            first_is_real = all(host[batch:])
+        else:
+            layout, first_is_real = padding.dense_layout(batch, seq_len, mask), True
+        if layout.packed:
+            indices = indices.index_select(1, layout.indices)  # [3, N]
+        indices, layout = _bucketed(model, indices, layout)
+    if packs and first_token_read and not first_is_real:
+        _note_first_token(model, layout)
+    return _to_device(model, indices, layout)
 
 
 def prepare_packed(model, input_ids: torch.Tensor, seqlens: tuple[int, ...],
@@ -64,38 +82,67 @@ def prepare_packed(model, input_ids: torch.Tensor, seqlens: tuple[int, ...],
     if not seqlens or min(seqlens) < 1 or sum(seqlens) != input_ids.shape[0]:
         raise ValueError(f"seqlens must be >= 1 each and add up to the {input_ids.shape[0]} ids, got "
                          f"{list(seqlens)[:8]}{'...' if len(seqlens) > 8 else ''}")
+    if not _traced() and _native(input_ids, token_type_ids):
+        types = token_type_ids if model.embeddings.table("token_type") is not None else None
+        indices, layout, spans = token_indices.back_to_back(model, input_ids, seqlens, types,
+                                                            lambda n: _rows(model, n))
+        if validation.input_checks_enabled():
+            validation.check_spans(spans, limits(model), _PACKED_POSITIONS)
+        return _to_device(model, indices, layout)
     ids = input_ids.long().cpu()
     types = torch.zeros_like(ids) if token_type_ids is None or model.embeddings.table("token_type") is None \
         else token_type_ids.long().cpu()
     lengths = torch.tensor(seqlens)
     starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # [N]: its sequence's first row
     positions = model.packed_position_ids(ids, starts)
-    indices, _ = validation.flat_indices(ids[None], types[None], positions[None], limits(model),
-                                         "positions (numbered within each sequence)")
+    indices, _ = validation.flat_indices(ids[None], types[None], positions[None], limits(model), _PACKED_POSITIONS)
     return _to_device(model, *_bucketed(model, indices, padding.packed_layout(seqlens, torch.device("cpu"))))
+
 
 
 def limits(model) -> list[int]:
     """The sizes of the word, token-type and position tables the ids index (a family without token types: 1;
-    rotary positions index no table: ``validation.UNBOUNDED``)."""
-    embeddings = model.embeddings
+    rotary positions index no table: ``validation.UNBOUNDED``), read once per plan."""
+    return plans.decided(model, "limits", _limits, model.embeddings)
+
+
+def _limits(embeddings) -> list[int]:
     token_types, positions = embeddings.table("token_type"), embeddings.table("position")
     return [embeddings.table("word").weight.shape[0], 1 if token_types is None else token_types.weight.shape[0],
             validation.UNBOUNDED if positions is None else positions.weight.shape[0]]
 
 
-def _token_ids(model, inputs: dict) -> tuple[tuple[torch.Tensor, ...], str]:
-    """Checks the inputs (clear errors before any kernel runs) -> ((word, token type, position ids, [B, S] each, on
-    the device of the integer inputs), what a range error calls the positions)."""
-    input_ids, mask, inputs_embeds = inputs["input_ids"], inputs["attention_mask"], inputs["inputs_embeds"]
-    embeddings = model.embeddings
-    # (DistilBERT has no token types; transformers ignores them too, e.g. a pair tokenizer's)
-    token_type_ids = inputs["token_type_ids"] if embeddings.table("token_type") is not None else None
-    word = embeddings.table("word").weight
-    position_ids = inputs["position_ids"]
-    batch, seq_len = validation.check_inputs(word, input_ids, mask, token_type_ids, position_ids, inputs_embeds,
-                                             None if position_ids is not None else model.max_seq_len(input_ids))
-    device = next((t.device for t in (input_ids, mask, token_type_ids, position_ids) if t is not None), word.device)
+def _checked(model, inputs: dict) -> tuple[int, int, torch.Tensor | None]:
+    """Checks the inputs' metadata (clear errors before any kernel runs) -> (batch, seq_len, the token types the
+    family reads: None for one without, DistilBERT, which ignores them as transformers does, e.g. a pair
+    tokenizer's)."""
+    token_type_ids = inputs["token_type_ids"] if model.embeddings.table("token_type") is not None else None
+    input_ids, position_ids = inputs["input_ids"], inputs["position_ids"]
+    batch, seq_len = validation.check_inputs(
+        model.embeddings.table("word").weight, input_ids, inputs["attention_mask"], token_type_ids, position_ids,
+        inputs["inputs_embeds"], None if position_ids is not None else model.max_seq_len(input_ids))
+    return batch, seq_len, token_type_ids
+
+
+def _native(*integer_inputs: torch.Tensor | None) -> bool:
+    """Whether ``token_indices`` prepares these inputs: the ids given, all on the host."""
+    return integer_inputs[0] is not None and token_indices.takes(*integer_inputs)
+
+
+def _traced() -> bool:
+    """Whether torch.compile traces or a graph exports: the dense layout and the registered range check then run
+    (packing and the native pass size tensors from the data, which a static graph cannot do)."""
+    return torch.compiler.is_compiling() or dispatch.exporting()
+
+
+def _token_ids(model, inputs: dict, token_type_ids: torch.Tensor | None, batch: int, seq_len: int,
+               ) -> tuple[tuple[torch.Tensor, ...], str]:
+    """The checked inputs -> ((word, token type, position ids, [B, S] each, on the device of the integer inputs),
+    what a range error calls the positions)."""
+    input_ids, position_ids = inputs["input_ids"], inputs["position_ids"]
+    word = model.embeddings.table("word").weight
+    device = next((t.device for t in (input_ids, inputs["attention_mask"], token_type_ids, position_ids)
+                   if t is not None), word.device)
     if token_type_ids is None:
         token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     positions_name = "position_ids"
@@ -107,11 +154,8 @@ def _token_ids(model, inputs: dict) -> tuple[tuple[torch.Tensor, ...], str]:
 
 
 def _packs(batch: int, seq_len: int, attention_mask: torch.Tensor | None, unpad: bool) -> bool:
-    """Whether to pack the real tokens (when the mask turns out to have padding; dense otherwise). Under
-    torch.compile and export the dense (masked) path runs: packing sizes tensors from the data, which a static graph
-    cannot do."""
-    return not (attention_mask is None or not unpad or torch.compiler.is_compiling() or dispatch.exporting()
-                or batch * seq_len == 0)
+    """Whether to pack the real tokens (when the mask turns out to have padding; dense otherwise)."""
+    return not (attention_mask is None or not unpad or batch * seq_len == 0)
 
 
 def _read_back(model, mask: torch.Tensor) -> torch.Tensor:
@@ -123,10 +167,10 @@ def _read_back(model, mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([lengths, mask[:, 0].to(lengths.dtype)])
 
 
-def _note_first_token(model, layout: padding.TokenLayout, first_is_real: tuple[int, ...]) -> None:
+def _note_first_token(model, layout: padding.TokenLayout) -> None:
     """Say once that a left-padded batch feeds zeros to what reads position 0 (transformers feeds it a value computed
     from the padding token there)."""
-    if layout.packed and not all(first_is_real):
+    if layout.packed and model.first_token_reader() is not None:
         announce.note(
             f"{type(model).__name__}: {model.first_token_reader()} reads position 0, and rows of this batch have "
             "padding there (left padding). fastbert runs padding-free, so the hidden state there is zeros, where "
@@ -138,12 +182,17 @@ def _note_first_token(model, layout: padding.TokenLayout, first_is_real: tuple[i
 
 
 def _bucketed(model, indices: torch.Tensor, layout: padding.TokenLayout):
-    """Spare rows up to ``padding.bucket_rows`` where oneDNN runs the GEMMs (its fp32 linear) or a model
-    ``fastbert.quantize`` chose runs int8 ones: oneDNN's memory grows with every distinct row count it sees, and a
-    replay's programs are per row count (a few buckets serve a server's varied batches)."""
+    return padding.with_spare_rows(indices, layout, _rows(model, layout.tokens))
+
+
+def _rows(model, tokens: int) -> int:
+    """The rows to run ``tokens`` tokens as: spare rows up to ``padding.bucket_rows`` where oneDNN runs the GEMMs
+    (its fp32 linear) or a model ``fastbert.quantize`` chose runs int8 ones: oneDNN's memory grows with every
+    distinct row count it sees, and a replay's programs are per row count (a few buckets serve a server's varied
+    batches)."""
     if plans.decided(model, "bucket_rows", _buckets_rows, model):
-        return padding.with_spare_rows(indices, layout, padding.bucket_rows(layout.tokens))
-    return indices, layout
+        return padding.bucket_rows(tokens)
+    return tokens
 
 
 def _buckets_rows(model) -> bool:

@@ -236,14 +236,40 @@ class FusedModel(layers.Fused):
         """The longest input the position table holds when ``position_ids`` is not given (None: data-dependent)."""
         return self.config.max_position_embeddings
 
+    def position_numbering(self) -> tuple[str, int]:
+        """How positions are numbered where ``position_ids`` is not given: ("column", 0), a token's column
+        0 .. S - 1 (BERT); ("rank", p), p + the token's rank among its row's ids other than p, and p for those
+        (RoBERTa, p = padding_idx: numbered from input_ids whatever the mask says; inputs_embeds: p + 1 .. p + S).
+        ``position_ids`` and ``packed_position_ids`` are its torch form, ``token_indices`` its native one."""
+        return "column", 0
+
     def position_ids(self, input_ids, batch: int, seq_len: int, device) -> tuple[torch.Tensor, str]:
         """Positions when ``position_ids`` is not given: ([1, S] or [B, S] int64, what an error calls them)."""
-        return torch.arange(seq_len, device=device).unsqueeze(0), "position_ids (0 .. seq_len - 1)"
+        rule, base = self.position_numbering()
+        if rule == "column":
+            return torch.arange(seq_len, device=device).unsqueeze(0), self.positions_name()
+        if input_ids is None:
+            return torch.arange(base + 1, seq_len + base + 1, device=device).unsqueeze(0), (
+                f"positions {base + 1} .. seq_len + {base} of inputs_embeds")
+        real = input_ids.ne(base)
+        return (real.cumsum(dim=1) * real + base).long(), self.positions_name()  # [B, S]
+
+    def positions_name(self) -> str:
+        """What a range error calls the positions ``position_numbering`` gives input_ids."""
+        rule, base = self.position_numbering()
+        if rule == "column":
+            return "position_ids (0 .. seq_len - 1)"
+        return f"positions numbered from input_ids ({base} + rank among non-padding tokens)"
 
     def packed_position_ids(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """``position_ids`` of packed sequences: input_ids [N], starts [N] (the index of each token's sequence's
         first token) -> [N] int64, as each sequence would get alone."""
-        return torch.arange(input_ids.shape[0]) - starts
+        rule, base = self.position_numbering()
+        if rule == "column":
+            return torch.arange(input_ids.shape[0]) - starts
+        real = input_ids.ne(base).long()
+        before = real.cumsum(0) - real  # [N]: ids other than base before each, from the first sequence's start
+        return (real.cumsum(0) - before[starts]) * real + base
 
     def first_token_reader(self) -> str | None:
         """What reads position 0 of this encoder's output, if anything: its pooler, or the head ``optimize`` found

@@ -129,7 +129,7 @@ def checked_indices(
     if stacked.numel() == 0:
         return stacked
     low, high = torch.aminmax(stacked, dim=1)
-    _check_spans(torch.stack([low, high], dim=1).flatten().tolist(), limits, positions_name)  # the host sync
+    check_spans(torch.stack([low, high], dim=1).flatten().tolist(), limits, positions_name)  # the host sync
     return stacked
 
 
@@ -138,7 +138,7 @@ def checked_indices(
 UNBOUNDED = -1
 
 
-def _check_spans(spans: list[int], limits: list[int], positions_name: str) -> None:
+def check_spans(spans: list[int], limits: list[int], positions_name: str) -> None:
     """spans: [min, max] of ids, token types and positions, flattened (6 values read back from the device); limits:
     the tables' sizes, ``UNBOUNDED`` where any value is valid."""
     names = ("input_ids", "token_type_ids", positions_name)
@@ -178,5 +178,5 @@ def flat_indices(input_ids, token_type_ids, position_ids, limits: list[int], pos
         return stacked, tuple(read_back.tolist())
     low, high = torch.aminmax(stacked, dim=1)
     host = torch.cat([torch.stack([low, high], dim=1).flatten(), read_back.long()]).tolist()  # the one host sync
-    _check_spans(host[:6], limits, positions_name)
+    check_spans(host[:6], limits, positions_name)
     return stacked, tuple(host[6:])

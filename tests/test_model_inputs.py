@@ -173,19 +173,28 @@ def test_every_row_padded(model, unpad):
         assert (out.last_hidden_state == 0).all()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["op-by-op", "native"])
 @pytest.mark.parametrize("checks", [True, False], ids=["checks-on", "checks-off"])
 @pytest.mark.parametrize("case", ["padded", "no-padding", "no-mask"])
-def test_one_host_read_per_forward(model, read_backs, case, checks, monkeypatch):
-    """A padded forward reads device data back once (range check and sequence lengths in one transfer); with the
-    checks off, only the lengths are read, and a forward without a mask reads nothing."""
+def test_one_host_read_per_forward(model, read_backs, case, checks, native, monkeypatch):
+    """Op by op, as inputs on a GPU run, a padded forward reads the data back once (range check and sequence lengths
+    in one transfer); with the checks off, only the lengths, and a forward without a mask reads nothing. The native
+    pass (inputs on the host) reads nothing back but the lengths it counted, where the mask has padding."""
     monkeypatch.setattr(fastbert.validation, "_checks_enabled", checks)
+    if not native:
+        monkeypatch.setattr(fastbert.inputs, "_native", lambda *integer_inputs: False)
     input_ids = ids(3, 7)
     mask = torch.ones(3, 7, dtype=torch.long)
     if case == "padded":
         mask[1, 4:] = 0
     with torch.inference_mode():
+        model(input_ids, attention_mask=None if case == "no-mask" else mask)  # (first-time decisions read too)
+        read_backs.clear()
         model(input_ids, attention_mask=None if case == "no-mask" else mask)
-    expected = 0 if (case == "no-mask" and not checks) else 1
+    if native:
+        expected = 1 if case == "padded" else 0
+    else:
+        expected = 0 if (case == "no-mask" and not checks) else 1
     assert len(read_backs) == expected, read_backs
 
 

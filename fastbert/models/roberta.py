@@ -34,20 +34,8 @@ class RobertaShapedModel(modeling.FusedModel):
         # From input_ids the largest position depends on how many tokens are padding: the range check tells.
         return None if input_ids is not None else self.config.max_position_embeddings - self.embeddings.padding_idx - 1
 
-    def position_ids(self, input_ids, batch, seq_len, device):
-        padding_idx = self.embeddings.padding_idx
-        if input_ids is None:
-            return torch.arange(padding_idx + 1, seq_len + padding_idx + 1, device=device).unsqueeze(0), (
-                f"positions {padding_idx + 1} .. seq_len + {padding_idx} of inputs_embeds"
-            )
-        real = input_ids.ne(padding_idx)
-        positions = (real.cumsum(dim=1) * real + padding_idx).long()  # [B, S]
-        return positions, f"positions numbered from input_ids ({padding_idx} + rank among non-padding tokens)"
-
-    def packed_position_ids(self, input_ids, starts):
-        real = input_ids.ne(self.embeddings.padding_idx).long()
-        before = real.cumsum(0) - real  # [N]: non-padding tokens before each, from the first sequence's start
-        return (real.cumsum(0) - before[starts]) * real + self.embeddings.padding_idx
+    def position_numbering(self):
+        return "rank", self.embeddings.padding_idx
 
 
 class RobertaEmbeddings(layers.FusedEmbeddings, hf.RobertaEmbeddings):
