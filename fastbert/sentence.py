@@ -19,6 +19,7 @@ SentenceTransformer, SparseEncoder, MultiVectorEncoder; ``retrieval.py`` reads t
 
 import dataclasses
 import json
+import math
 import os
 
 import torch
@@ -201,6 +202,8 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: tuple[str, ...]) -> to
 def pool_packed(hidden: torch.Tensor, seqlens: torch.Tensor, modes: tuple[str, ...]) -> torch.Tensor:
     """``pool`` of sequences that come back to back without padding: hidden [N, H], seqlens [B] int64 (each >= 1)
     -> [B, H * len(modes)]: the same math on each sequence's own rows (segment sums, maxima, first and last rows)."""
+    if hidden.device.type == "cpu":
+        return _pool_sequences(hidden, seqlens.tolist(), modes)
     batch, width = seqlens.shape[0], hidden.shape[1]
     accumulate = torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.dtype
     ends = torch.cumsum(seqlens, 0)
@@ -226,3 +229,28 @@ def pool_packed(hidden: torch.Tensor, seqlens: torch.Tensor, modes: tuple[str, .
         else:
             raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
     return torch.cat(outputs, dim=-1)
+
+
+def _pool_sequences(hidden: torch.Tensor, seqlens: list[int], modes: tuple[str, ...]) -> torch.Tensor:
+    """``pool_packed`` on the CPU, each sequence's rows a view reduced on its own: index_add_ and index_reduce_ sort
+    their [N, H] index there first (0.3-1 ms for one 18-token sequence of width 384 on a 2-core AMD EPYC, Zen 3,
+    against ~10 us for its sum)."""
+    accumulate = torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.dtype
+    parts = torch.split(hidden, seqlens)  # [n_b, H] each
+
+    def pooled(part: torch.Tensor, mode: str) -> torch.Tensor:  # [n, H] -> [H]
+        n = part.shape[0]
+        if mode == "cls":
+            return part[0]
+        if mode == "lasttoken":
+            return part[-1]
+        if mode == "max":
+            return part.amax(0)
+        if mode in ("mean", "mean_sqrt_len_tokens"):
+            return (part.sum(0, dtype=accumulate) / (n if mode == "mean" else math.sqrt(n))).to(hidden.dtype)
+        if mode == "weightedmean":  # weights 1, 2, ... within the sequence
+            weights = torch.arange(1, n + 1, dtype=accumulate)[:, None]
+            return ((part.to(accumulate) * weights).sum(0) / (n * (n + 1) / 2)).to(hidden.dtype)
+        raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
+
+    return torch.stack([torch.cat([pooled(part, mode) for mode in modes]) for part in parts])

@@ -39,6 +39,19 @@ def test_forward_packed_equals_the_padded_forward(family):
     torch.testing.assert_close(pooled, pool(padded, mask, POOLING_MODES), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_pool_packed_equals_pool_per_sequence(dtype):
+    """Every pooling mode of back-to-back rows (on the CPU each sequence reduced on its own) equals ``pool`` of the
+    padded batch, one sequence or many, 16-bit accumulated in float32 as ``pool`` does."""
+    generator = torch.Generator().manual_seed(0)
+    for lengths in ([7], [3, 1, 9, 2]):
+        mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
+        padded = torch.randn(len(lengths), max(lengths), 26, generator=generator).to(dtype)
+        packed = pool_packed(padded[mask.bool()], torch.tensor(lengths), POOLING_MODES)
+        assert packed.dtype == dtype and packed.shape == (len(lengths), 26 * len(POOLING_MODES))
+        torch.testing.assert_close(packed, pool(padded, mask, POOLING_MODES))
+
+
 def test_bad_packed_inputs_name_themselves():
     spec = FAMILIES["roberta"]
     model = spec.fast(spec.config).eval()
