@@ -12,7 +12,8 @@ import types
 
 import torch
 
-from . import __version__, _extension, announce, auto_dtype, cpu, dispatch, models, replay, threads, validation
+from . import __version__, _extension, announce, auto_dtype, cpu, dispatch, models, replay, threads, token_indices
+from . import validation
 from .int8 import choices as int8
 from .int8 import decisions as int8_decisions
 from .ops import attention_cpu, attention_int8
@@ -54,6 +55,8 @@ def info() -> dict:
         "requested_backend": dispatch.settings().backend,
         "triton_interpret": dispatch.settings().interpreter,
         "input_checks": validation.input_checks_enabled(),
+        # Why inputs on the host are not prepared in one native pass (token_indices.py) but op by op; empty: they are.
+        "native_inputs_unavailable": list(token_indices.unavailable_reasons()),
         # The CPU: its name, the instruction sets that decide the fast paths, whether bf16 is native here.
         "cpu": {**cpu.identity(), "native_bf16": cpu.native_bf16()},
         # The threads a CPU forward runs: torch's count within the affinity mask, the cgroup quota and the load.
