@@ -303,7 +303,9 @@ fastbert::IntInput int_input(std::uintptr_t data, int code, const char* name) {
 
 py::tuple count_real_tokens(std::uintptr_t mask, int mask_code, int64_t batch, int64_t seq_len,
                             std::uintptr_t seqlens) {
-  if (batch < 0 || seq_len < 0 || seq_len > INT32_MAX) throw std::invalid_argument("batch and seq_len must be >= 0");
+  if (batch < 0 || seq_len < 0 || seq_len > INT32_MAX) {
+    throw std::invalid_argument("batch must be >= 0 and seq_len in [0, 2^31)");
+  }
   if (batch * seq_len > 0 && (!mask || !seqlens)) throw std::invalid_argument("null data pointer");
   const auto counted = fastbert::count_real_tokens(int_input(mask, mask_code, "mask"), batch, seq_len,
                                                    reinterpret_cast<int32_t*>(seqlens));
@@ -538,9 +540,8 @@ PYBIND11_MODULE(_C, m) {
         "each real token's place b * seq_len + column (layout_indices [tokens], or 0) and cu_seqlens [batch + 1] "
         "int32 (or 0), from ids and types [batch, seq_len] with positions [positions_rows, seq_len] and a mask (each "
         "0 where not given), or, with seqlens (batch lengths; [] for none), from ids and types [tokens] back to "
-        "back; positions "
-        "not given are numbered by column (numbering 0) or as base + rank among ids other than base (1). Returns "
-        "the min and max of ids, types and positions over every entry read (token_indices.h).",
+        "back. Positions not given are numbered by column (numbering 0) or as base + rank among ids other than "
+        "base (1). Returns the min and max of ids, types and positions over every entry read (token_indices.h).",
         py::arg("ids"), py::arg("ids_code"), py::arg("types"), py::arg("types_code"), py::arg("positions"),
         py::arg("positions_code"), py::arg("positions_rows"), py::arg("mask"), py::arg("mask_code"),
         py::arg("seqlens"), py::arg("batch"), py::arg("seq_len"), py::arg("numbering"), py::arg("base"),

@@ -9,8 +9,9 @@
     device     host inputs queued to a GPU model without waiting for it
 
 Integer inputs on the host (as tokenizers return them) take one native pass instead, ``token_indices``: positions,
-check, pack and spare rows in one call (the steps above are its reference, and what runs for device inputs, without
-``_C``, and while torch.compile traces or a graph exports).
+check, pack and spare rows at once. The steps above are its reference, and what runs for inputs on a device, a
+floating-point mask, a mask kept dense (``unpad=False``), a CUDA graph's capture (``graph_safe``), without ``_C``,
+and while torch.compile traces, a graph exports or a dispatch mode (fake tensors, functorch) runs.
 
 -> (indices [3, N] int64: each row's word, token type and position; the layout: where the rows sit in [B, S]).
 ``prepare_packed`` does the same for sequences that come back to back without padding (``forward_packed``).
@@ -82,7 +83,7 @@ def prepare_packed(model, input_ids: torch.Tensor, seqlens: tuple[int, ...],
     if not seqlens or min(seqlens) < 1 or sum(seqlens) != input_ids.shape[0]:
         raise ValueError(f"seqlens must be >= 1 each and add up to the {input_ids.shape[0]} ids, got "
                          f"{list(seqlens)[:8]}{'...' if len(seqlens) > 8 else ''}")
-    if not _traced() and _native(input_ids, token_type_ids):
+    if _native(input_ids, token_type_ids):
         types = token_type_ids if model.embeddings.table("token_type") is not None else None
         indices, layout, spans = token_indices.back_to_back(model, input_ids, seqlens, types,
                                                             lambda n: _rows(model, n))
@@ -99,14 +100,10 @@ def prepare_packed(model, input_ids: torch.Tensor, seqlens: tuple[int, ...],
     return _to_device(model, *_bucketed(model, indices, padding.packed_layout(seqlens, torch.device("cpu"))))
 
 
-
 def limits(model) -> list[int]:
     """The sizes of the word, token-type and position tables the ids index (a family without token types: 1;
-    rotary positions index no table: ``validation.UNBOUNDED``), read once per plan."""
-    return plans.decided(model, "limits", _limits, model.embeddings)
-
-
-def _limits(embeddings) -> list[int]:
+    rotary positions index no table: ``validation.UNBOUNDED``)."""
+    embeddings = model.embeddings
     token_types, positions = embeddings.table("token_type"), embeddings.table("position")
     return [embeddings.table("word").weight.shape[0], 1 if token_types is None else token_types.weight.shape[0],
             validation.UNBOUNDED if positions is None else positions.weight.shape[0]]
@@ -125,8 +122,9 @@ def _checked(model, inputs: dict) -> tuple[int, int, torch.Tensor | None]:
 
 
 def _native(*integer_inputs: torch.Tensor | None) -> bool:
-    """Whether ``token_indices`` prepares these inputs: the ids given, all on the host."""
-    return integer_inputs[0] is not None and token_indices.takes(*integer_inputs)
+    """Whether ``token_indices`` prepares these inputs: the ids given, all on the host, and no dispatch mode (fake
+    tensors, functorch) runs the forward, whose tensors may have no memory to read."""
+    return integer_inputs[0] is not None and token_indices.takes(*integer_inputs) and plans.plannable()
 
 
 def _traced() -> bool:

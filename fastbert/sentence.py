@@ -253,4 +253,6 @@ def _pool_sequences(hidden: torch.Tensor, seqlens: list[int], modes: tuple[str, 
             return ((part.to(accumulate) * weights).sum(0) / (n * (n + 1) / 2)).to(hidden.dtype)
         raise ValueError(f"pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}")
 
+    if not parts:
+        return hidden.new_empty((0, hidden.shape[1] * len(modes)))
     return torch.stack([torch.cat([pooled(part, mode) for mode in modes]) for part in parts])

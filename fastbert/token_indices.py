@@ -31,8 +31,8 @@ def unavailable_reasons() -> tuple[str, ...]:
 
 
 def takes(*integer_inputs: torch.Tensor | None) -> bool:
-    """Whether the native pass reads these inputs: each absent or a host tensor of a dtype it reads (ids, token
-    types and positions int64 or int32), and ``_C`` has it."""
+    """Whether the native pass reads these inputs: each absent or a host tensor of a dtype in ``CODES`` (the
+    caller's checks hold ids, token types and positions to int64 or int32), and ``_C`` has it."""
     return not unavailable_reasons() and all(
         t is None or (t.device.type == "cpu" and t.dtype in CODES) for t in integer_inputs)
 
@@ -61,13 +61,14 @@ def back_to_back(model, input_ids: torch.Tensor, seqlens: tuple[int, ...], token
     """Sequences back to back (``inputs.prepare_packed``'s checked input_ids [N], seqlens, token_type_ids [N] or
     None) -> (indices [3, rows] int64, their packed layout, the spans [6]); positions numbered per sequence."""
     tokens = input_ids.shape[0]
+    seqlens = tuple(seqlens)
     return _run(model, input_ids, token_type_ids, None, None, len(seqlens), max(seqlens), seqlens, seqlens, tokens,
                 rows_for(tokens))
 
 
 def _run(model, ids, types, positions, mask, batch: int, seq_len: int, seqlens: tuple[int, ...] | None,
-         back_to_back: tuple[int, ...], tokens: int, rows: int):
-    """-> (indices [3, rows], the layout: packed where ``seqlens`` are given, else dense; the spans). back_to_back:
+         sequences: tuple[int, ...], tokens: int, rows: int):
+    """-> (indices [3, rows], the layout: packed where ``seqlens`` are given, else dense; the spans). sequences:
     the sequences' lengths where ids [tokens] come back to back, () for ids [B, S]."""
     rule, base = model.position_numbering()
     ids = ids.contiguous()
@@ -78,7 +79,7 @@ def _run(model, ids, types, positions, mask, batch: int, seq_len: int, seqlens: 
     cu_seqlens = torch.empty(batch + 1, dtype=torch.int32) if seqlens is not None else None
     spans = _C.token_indices(
         ids.data_ptr(), CODES[ids.dtype], *_pointer(types), *_pointer(positions),
-        1 if positions is None else positions.shape[0], *_pointer(mask), back_to_back, batch, seq_len,
+        1 if positions is None else positions.shape[0], *_pointer(mask), sequences, batch, seq_len,
         NUMBERINGS[rule], base, tokens, indices.data_ptr(), rows, _address(layout_indices), _address(cu_seqlens))
     layout = padding.TokenLayout(batch, seq_len, indices=layout_indices, cu_seqlens=cu_seqlens, seqlens=seqlens,
                                  spare_rows=rows - tokens)

@@ -50,6 +50,8 @@ def test_pool_packed_equals_pool_per_sequence(dtype):
         packed = pool_packed(padded[mask.bool()], torch.tensor(lengths), POOLING_MODES)
         assert packed.dtype == dtype and packed.shape == (len(lengths), 26 * len(POOLING_MODES))
         torch.testing.assert_close(packed, pool(padded, mask, POOLING_MODES))
+    empty = pool_packed(torch.zeros(0, 26, dtype=dtype), torch.zeros(0, dtype=torch.long), POOLING_MODES)
+    assert empty.shape == (0, 26 * len(POOLING_MODES))
 
 
 def test_bad_packed_inputs_name_themselves():

@@ -147,6 +147,24 @@ def test_range_errors_as_op_by_op(family, small_bert_config):
         inputs.prepare_packed(model, torch.tensor([5, 500]), (2,))
 
 
+def test_dispatch_modes_run_op_by_op(small_bert_config):
+    """Under a dispatch mode (fake tensors: no memory to read) the reference path runs, as under torch.compile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _model("bert", small_bert_config)
+    given = dict.fromkeys(inputs.NAMES)
+    given.update(input_ids=_ids(model.config, 2, 4))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        indices, layout = inputs.prepare(model, given)
+    assert indices.shape == (3, 8) and not layout.packed
+
+
+def test_back_to_back_lengths_as_a_list(small_bert_config):
+    model = _model("bert", small_bert_config)
+    _, layout = inputs.prepare_packed(model, _ids(model.config, 1, 5)[0], [2, 3])
+    assert layout.seqlens == (2, 3)
+
+
 def test_checks_off_give_the_same_indices(input_checks_off, small_bert_config):
     model = _model("bert", small_bert_config)
     given = dict.fromkeys(inputs.NAMES)
